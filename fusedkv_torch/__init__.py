@@ -1,0 +1,1 @@
+"""fusedkv for PyTorch: the Triton kernel, its torch.library registration, the materializer."""

@@ -1,0 +1,19 @@
+"""Backend-neutral half of fusedkv: the op's contract, its NumPy reference, tolerances.
+
+Importing this package imports neither torch nor jax.
+"""
+
+from interop.reference import fused_kv_norm_rope_reference, rope_cos_sin_cache
+from interop.spec import FusedKVConfig, validate_call
+from interop.tolerance import TOLERANCES, assert_bit_exact, assert_close, compare
+
+__all__ = [
+    "FusedKVConfig",
+    "TOLERANCES",
+    "assert_bit_exact",
+    "assert_close",
+    "compare",
+    "fused_kv_norm_rope_reference",
+    "rope_cos_sin_cache",
+    "validate_call",
+]

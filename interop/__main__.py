@@ -1,0 +1,5 @@
+import sys
+
+from interop.cli import main
+
+sys.exit(main())

@@ -1,0 +1,146 @@
+"""The one tolerance table and the one comparison that reports the worst element.
+
+An element passes when ``|got - expected| <= ulps * ulp(expected) + atol`` with the
+ulp taken in the output dtype. NaN must meet NaN (out-of-range positions), and a
+NaN anywhere else fails. V is never compared here: it must match bit for bit
+(:func:`assert_bit_exact`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from interop.arrays import as_numpy, numpy_dtype
+from interop.spec import dtype_name
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    ulps: float
+    atol: float
+    reason: str
+
+
+# The kernels do the reference's fp32 math in another order (tree reductions, fused
+# multiply-adds, the hardware rsqrt), which moves the fp32 value of a K element by a
+# few fp32 ulps of its operands, whose magnitude is about that of the normalized K
+# (|kn| < 10 for any sane weights). ``atol`` covers that movement where RoPE cancels
+# two such operands into a tiny result whose own ulp is far smaller than the error.
+TOLERANCES = {
+    "float32": Tolerance(
+        ulps=16, atol=2e-6,
+        reason="no final rounding hides the reordered fp32 math: rsqrt.approx is within "
+        "2 ulp, the mean over head_dim and the rotation add a few more",
+    ),
+    "float16": Tolerance(
+        ulps=1, atol=2e-6,
+        reason="fp32 values a few fp32 ulps apart round to neighbouring fp16 values when "
+        "they straddle a rounding boundary",
+    ),
+    "bfloat16": Tolerance(
+        ulps=1, atol=2e-6,
+        reason="as fp16; also Triton's interpreter rounds fp32->bf16 by truncation, at "
+        "most 1 ulp from round-to-nearest",
+    ),
+}
+
+
+def ulp(values: np.ndarray, dtype: str) -> np.ndarray:
+    """The spacing of ``dtype`` above each |value| (as fp64); NaN and Inf count as 0."""
+    finite = np.nan_to_num(np.asarray(values, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+    typed = np.abs(finite).astype(numpy_dtype(dtype))
+    # ml_dtypes has no nextafter: step the bit pattern of the non-negative value by one.
+    width = np.uint32 if typed.dtype.itemsize == 4 else np.uint16
+    above = (typed.view(width) + width(1)).view(typed.dtype)
+    return above.astype(np.float64) - typed.astype(np.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """How far ``got`` is from ``expected``; ``worst_*`` describe the worst element."""
+
+    name: str
+    dtype: str
+    tolerance: Tolerance
+    n_elements: int
+    n_bad: int
+    max_ulps: float
+    worst_index: tuple[int, ...] | None
+    worst_got: float
+    worst_expected: float
+
+    @property
+    def ok(self) -> bool:
+        return self.n_bad == 0
+
+    def report(self) -> str:
+        head = (f"{self.name}: {self.n_bad} of {self.n_elements} elements outside tolerance "
+                f"({self.dtype}: {self.tolerance.ulps:g} ulp + {self.tolerance.atol:g}); "
+                f"max error {self.max_ulps:.3g} ulp")
+        if self.worst_index is None:
+            return head
+        return (f"{head}; worst at index {self.worst_index}: got {self.worst_got!r}, "
+                f"expected {self.worst_expected!r}")
+
+
+def compare(got, expected, *, name: str = "k", tolerance: Tolerance | None = None) -> Comparison:
+    """Compare element-wise under the table's tolerance for ``expected``'s dtype."""
+    got, expected = as_numpy(got), as_numpy(expected)
+    if got.shape != expected.shape:
+        raise AssertionError(f"{name}: shape {got.shape} differs from expected {expected.shape}")
+    dtype = dtype_name(expected.dtype)
+    tolerance = tolerance or TOLERANCES[dtype]
+    got64, expected64 = got.astype(np.float64), expected.astype(np.float64)
+    step = ulp(expected64, dtype)
+    error = np.abs(got64 - expected64)
+    agree = (np.isnan(got64) & np.isnan(expected64)) | (got64 == expected64)
+    error = np.where(agree, 0.0, np.where(np.isnan(error), np.inf, error))
+    bad = error > tolerance.ulps * step + tolerance.atol
+    error_ulps = error / step
+    n_bad = int(bad.sum())
+    worst_index = None
+    worst_got = worst_expected = float("nan")
+    if error.size:
+        # The worst failing element when any fails, else the largest error in ulps.
+        flat = int(np.argmax(np.where(bad, error_ulps, -1.0) if n_bad else error_ulps))
+        worst_index = tuple(int(i) for i in np.unravel_index(flat, error.shape))
+        worst_got, worst_expected = float(got64[worst_index]), float(expected64[worst_index])
+    max_ulps = float(error_ulps.max()) if error.size else 0.0
+    return Comparison(name, dtype, tolerance, int(error.size), n_bad, max_ulps,
+                      worst_index, worst_got, worst_expected)
+
+
+def assert_close(got, expected, *, name: str = "k", tolerance: Tolerance | None = None) -> Comparison:
+    """Raise ``AssertionError`` naming the worst element unless every element is in tolerance."""
+    result = compare(got, expected, name=name, tolerance=tolerance)
+    if not result.ok:
+        raise AssertionError(result.report())
+    return result
+
+
+def bit_mismatches(got, expected) -> tuple[int, tuple[int, ...] | None]:
+    """Number of elements whose bytes differ, and the first such index."""
+    got, expected = as_numpy(got), as_numpy(expected)
+    if got.shape != expected.shape or got.dtype != expected.dtype:
+        raise AssertionError(
+            f"shape/dtype {got.shape}/{got.dtype} differs from expected {expected.shape}/{expected.dtype}"
+        )
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[expected.dtype.itemsize]
+    differs = np.ascontiguousarray(got).view(width) != np.ascontiguousarray(expected).view(width)
+    if not differs.any():
+        return 0, None
+    first = tuple(int(i) for i in np.argwhere(differs)[0])
+    return int(differs.sum()), first
+
+
+def assert_bit_exact(got, expected, *, name: str = "v") -> None:
+    """Raise ``AssertionError`` naming the first differing element unless the bytes are equal."""
+    count, first = bit_mismatches(got, expected)
+    if count:
+        got_np, expected_np = as_numpy(got), as_numpy(expected)
+        raise AssertionError(
+            f"{name}: {count} of {expected_np.size} elements differ bitwise; first at index "
+            f"{first}: got {float(got_np[first])!r}, expected {float(expected_np[first])!r}"
+        )

@@ -1,0 +1,97 @@
+"""The NumPy reference against an independent float64 computation written here."""
+
+import zlib
+
+import numpy as np
+import pytest
+
+from interop.arrays import numpy_dtype
+from interop.inputs import random_inputs
+from interop.reference import fused_kv_norm_rope_reference, rope_cos_sin_cache
+from interop.spec import FusedKVConfig
+from interop.tolerance import assert_bit_exact, assert_close
+
+
+def float64_truth(kv, weight, eps, cache, positions, heads, dim, rotary_dim, style):
+    """Per token, layer and head, with RoPE as a complex rotation; no shared code."""
+    total_ctx, n_layers, _ = kv.shape
+    half = rotary_dim // 2
+    k_out = np.empty((n_layers, total_ctx, heads, dim))
+    for t in range(total_ctx):
+        for layer in range(n_layers):
+            for h in range(heads):
+                x = kv[t, layer, h * dim:(h + 1) * dim].astype(np.float64)
+                x = x / np.sqrt(np.sum(x ** 2) / dim + float(eps[layer])) * weight[layer].astype(np.float64)
+                if not 0 <= positions[t] < cache.shape[0]:
+                    k_out[layer, t, h] = np.nan
+                    continue
+                angle = cache[positions[t], :half].astype(np.float64) + 1j * cache[positions[t], half:rotary_dim]
+                pairs = (x[:half], x[half:rotary_dim]) if style == "neox" else (x[0:rotary_dim:2], x[1:rotary_dim:2])
+                z = (pairs[0] + 1j * pairs[1]) * angle
+                y = x.copy()
+                if style == "neox":
+                    y[:half], y[half:rotary_dim] = z.real, z.imag
+                else:
+                    y[0:rotary_dim:2], y[1:rotary_dim:2] = z.real, z.imag
+                k_out[layer, t, h] = y
+    return k_out
+
+
+CASES = [
+    # (heads, head_dim, rotary_dim, style, layers, tokens)
+    (2, 128, 128, "neox", 3, 5),
+    (2, 128, 128, "gptj", 3, 5),
+    (2, 128, 64, "neox", 2, 4),
+    (2, 128, 64, "gptj", 2, 4),
+    (1, 192, 64, "neox", 2, 3),
+    (3, 96, 96, "neox", 2, 3),
+    (3, 96, 32, "gptj", 2, 3),
+    (2, 64, 64, "neox", 1, 1),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("heads, dim, rotary_dim, style, layers, tokens", CASES)
+def test_reference_matches_float64_truth(dtype, heads, dim, rotary_dim, style, layers, tokens):
+    config = FusedKVConfig(heads, dim, rotary_dim, style)
+    inputs = random_inputs(config, n_layers=layers, total_ctx=tokens, dtype=dtype,
+                           max_position=4096, seed=zlib.crc32(f"{dtype}{dim}{rotary_dim}{style}".encode()))
+    k, v = fused_kv_norm_rope_reference(*inputs.arrays(), num_kv_heads=heads, head_dim=dim,
+                                        rotary_dim=rotary_dim, rope_style=style)
+    truth = float64_truth(*inputs.arrays(), heads, dim, rotary_dim, style)
+    assert k.dtype == numpy_dtype(dtype) and k.shape == (layers, tokens, heads, dim)
+    assert_close(k, truth.astype(numpy_dtype(dtype)), name="k")
+    expected_v = inputs.kv[:, :, heads * dim:].reshape(tokens, layers, heads, dim).transpose(1, 0, 2, 3)
+    assert_bit_exact(v, expected_v, name="v")
+
+
+def test_positions_outside_the_cache_give_nan_k_and_still_copy_v():
+    config = FusedKVConfig(2, 16, 16)
+    inputs = random_inputs(config, n_layers=2, total_ctx=4, max_position=8, seed=3)
+    positions = np.array([0, 8, -1, 7], np.int64)
+    k, v = fused_kv_norm_rope_reference(inputs.kv, inputs.k_norm_weight, inputs.eps,
+                                        inputs.cos_sin_cache, positions,
+                                        num_kv_heads=2, head_dim=16, rotary_dim=16)
+    assert np.isnan(k[:, [1, 2]].astype(np.float32)).all()
+    assert not np.isnan(k[:, [0, 3]].astype(np.float32)).any()
+    assert_bit_exact(v, inputs.kv[:, :, 32:].reshape(4, 2, 2, 16).transpose(1, 0, 2, 3))
+
+
+def test_empty_context_gives_empty_outputs():
+    config = FusedKVConfig(4, 32, 32)
+    inputs = random_inputs(config, n_layers=3, total_ctx=0, seed=0)
+    k, v = fused_kv_norm_rope_reference(*inputs.arrays(), num_kv_heads=4, head_dim=32, rotary_dim=32)
+    assert k.shape == v.shape == (3, 0, 4, 32)
+    assert k.dtype == v.dtype == inputs.kv.dtype
+
+
+def test_position_zero_is_plain_rmsnorm():
+    # cos(0) = 1 and sin(0) = 0: a cheap independent check of the norm alone.
+    config = FusedKVConfig(1, 8, 8)
+    inputs = random_inputs(config, n_layers=1, total_ctx=1, dtype="float32", seed=5)
+    k, _ = fused_kv_norm_rope_reference(inputs.kv, inputs.k_norm_weight, inputs.eps,
+                                        rope_cos_sin_cache(4, 8), np.zeros(1, np.int32),
+                                        num_kv_heads=1, head_dim=8, rotary_dim=8)
+    x = inputs.kv[0, 0, :8].astype(np.float64)
+    expected = x / np.sqrt(np.mean(x * x) + inputs.eps[0]) * inputs.k_norm_weight[0]
+    np.testing.assert_allclose(k[0, 0, 0], expected, rtol=1e-6)

@@ -1,0 +1,122 @@
+"""Every validation message of DESIGN.md section 1, word for word, in its order."""
+
+import re
+
+import numpy as np
+import pytest
+
+from interop.inputs import random_inputs
+from interop.reference import fused_kv_norm_rope_reference
+from interop.spec import FusedKVConfig, validate_call
+
+CONFIG = FusedKVConfig(num_kv_heads=2, head_dim=8, rotary_dim=8)
+STATIC = dict(num_kv_heads=2, head_dim=8, rotary_dim=8)
+
+
+def _args(total_ctx=3, n_layers=2, **overrides):
+    inputs = random_inputs(CONFIG, n_layers=n_layers, total_ctx=total_ctx, max_position=64, seed=1)
+    args = dict(zip(("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions"), inputs.arrays()))
+    args.update(overrides)
+    return args
+
+
+def _expect(message, **kwargs):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        validate_call(**kwargs)
+
+
+def test_kv_must_be_3d():
+    _expect("Invalid stacked fused KV projection shape: got (3, 64), expected 3D "
+            "[total_ctx, n_layers, kv_size*2].",
+            **_args(kv=np.zeros((3, 64), np.float32)), **STATIC)
+
+
+def test_kv_trailing_dim_must_be_twice_kv_size():
+    _expect("Invalid fused KV projection shape: got (3, 2, 30), expected trailing dim 32.",
+            **_args(kv=np.zeros((3, 2, 30), np.float32)), **STATIC)
+
+
+@pytest.mark.parametrize("rotary_dim", [0, -2, 7, 10])
+def test_rotary_dim_must_be_positive_even_and_at_most_head_dim(rotary_dim):
+    _expect(f"Invalid fused KV rotary/head dim pair: rotary_dim={rotary_dim}, head_dim=8.",
+            **_args(), num_kv_heads=2, head_dim=8, rotary_dim=rotary_dim)
+
+
+def test_k_norm_weight_must_be_layers_by_head_dim():
+    _expect("Invalid stacked k_norm_weight shape for fused KV materialization: got (2, 4), "
+            "expected (2, 8).", **_args(k_norm_weight=np.ones((2, 4), np.float32)), **STATIC)
+
+
+def test_eps_must_have_one_value_per_layer():
+    _expect("Invalid stacked eps shape for fused KV materialization: got (3,), expected (2,).",
+            **_args(eps=np.ones(3, np.float32)), **STATIC)
+
+
+def test_k_out_shape_is_checked():
+    _expect("Invalid k_out shape for fused KV materialization: got (2, 3, 2, 4), "
+            "expected (2, 3, 2, 8).",
+            **_args(), **STATIC, k_out=np.zeros((2, 3, 2, 4), np.float32))
+
+
+def test_v_out_shape_is_checked():
+    good = np.zeros((2, 3, 2, 8), np.float32)
+    _expect("Invalid v_out shape for fused KV materialization: got (3, 2, 2, 8), "
+            "expected (2, 3, 2, 8).",
+            **_args(kv=np.zeros((3, 2, 32), np.float32)), **STATIC,
+            k_out=good, v_out=np.zeros((3, 2, 2, 8), np.float32))
+
+
+def test_out_dtype_must_match_kv():
+    _expect("Invalid k_out device/dtype for fused KV materialization: got device=cpu, "
+            "dtype=float16, expected device=cpu, dtype=bfloat16.",
+            **_args(), **STATIC, k_out=np.zeros((2, 3, 2, 8), np.float16))
+
+
+def test_checks_run_in_documented_order():
+    # Both the rotary pair and k_norm_weight are wrong: the rotary check comes first.
+    _expect("Invalid fused KV rotary/head dim pair: rotary_dim=9, head_dim=8.",
+            **_args(k_norm_weight=np.ones((1, 1), np.float32)),
+            num_kv_heads=2, head_dim=8, rotary_dim=9)
+
+
+def test_empty_context_is_still_validated():
+    _expect("Invalid stacked eps shape for fused KV materialization: got (5,), expected (2,).",
+            **_args(total_ctx=0, eps=np.ones(5, np.float32)), **STATIC)
+
+
+@pytest.mark.parametrize("field, bad, message", [
+    ("kv", np.zeros((3, 2, 32), np.float64),
+     "Invalid kv dtype for fused KV materialization: got float64, expected one of "
+     "('bfloat16', 'float16', 'float32')."),
+    ("eps", np.ones(2, np.float64),
+     "Invalid eps dtype for fused KV materialization: got float64, expected one of ('float32',)."),
+    ("cos_sin_cache", np.zeros((64, 8), np.float16),
+     "Invalid cos_sin_cache dtype for fused KV materialization: got float16, expected one of "
+     "('float32',)."),
+    ("cos_sin_cache", np.zeros((64, 6), np.float32),
+     "Invalid cos_sin_cache shape for fused KV materialization: got (64, 6), expected "
+     "(max_pos, 8) with max_pos > 0."),
+    ("positions", np.zeros(3, np.float32),
+     "Invalid positions dtype for fused KV materialization: got float32, expected one of "
+     "('int32', 'int64')."),
+    ("positions", np.zeros(4, np.int32),
+     "Invalid positions shape for fused KV materialization: got (4,), expected (3,)."),
+])
+def test_inputs_beyond_the_seeds_get_what_was_got_and_expected(field, bad, message):
+    _expect(message, **_args(**{field: bad}), **STATIC)
+
+
+def test_rope_style_must_be_known():
+    _expect("Invalid rope_style for fused KV materialization: got 'llama', expected one of "
+            "('neox', 'gptj').", **_args(), **STATIC, rope_style="llama")
+
+
+def test_reference_validates_too():
+    with pytest.raises(ValueError, match="^Invalid fused KV projection shape"):
+        fused_kv_norm_rope_reference(**_args(kv=np.zeros((3, 2, 30), np.float32)), **STATIC)
+
+
+def test_validation_reports_the_sizes_launchers_need():
+    call = validate_call(**_args(total_ctx=5, n_layers=3), **STATIC)
+    assert (call.total_ctx, call.n_layers, call.max_position) == (5, 3, 64)
+    assert call.output_shape == (3, 5, 2, 8)
