@@ -3,8 +3,12 @@
 Importing this package imports neither torch nor jax.
 """
 
-from interop.reference import fused_kv_norm_rope_reference, rope_cos_sin_cache
-from interop.spec import FusedKVConfig, validate_call
+from interop.reference import (
+    fused_kv_norm_rope_into_cache_reference,
+    fused_kv_norm_rope_reference,
+    rope_cos_sin_cache,
+)
+from interop.spec import FusedKVConfig, validate_cache_call, validate_call
 from interop.tolerance import TOLERANCES, assert_bit_exact, assert_close, compare
 
 __all__ = [
@@ -13,7 +17,9 @@ __all__ = [
     "assert_bit_exact",
     "assert_close",
     "compare",
+    "fused_kv_norm_rope_into_cache_reference",
     "fused_kv_norm_rope_reference",
     "rope_cos_sin_cache",
+    "validate_cache_call",
     "validate_call",
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from interop.arrays import as_numpy
-from interop.spec import validate_call
+from interop.spec import validate_cache_call, validate_call
 
 
 def fused_kv_norm_rope_reference(
@@ -45,14 +45,64 @@ def fused_kv_norm_rope_reference(
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
         rope_style=rope_style,
     )
-    kv, k_norm_weight, eps, cos_sin_cache, positions = (
-        as_numpy(a) for a in (kv, k_norm_weight, eps, cos_sin_cache, positions)
-    )
-    total_ctx, n_layers = call.total_ctx, call.n_layers
-    heads, dim, half = num_kv_heads, head_dim, rotary_dim // 2
-    kv_size = heads * dim
+    k, v = _k_fp32_and_v(call, *(as_numpy(a) for a in (kv, k_norm_weight, eps, cos_sin_cache, positions)))
+    return k.astype(v.dtype), v
 
-    k = kv[:, :, :kv_size].astype(np.float32).reshape(total_ctx, n_layers, heads, dim)
+
+def fused_kv_norm_rope_into_cache_reference(
+    kv,
+    k_norm_weight,
+    eps,
+    cos_sin_cache,
+    positions,
+    cache_loc,
+    k_cache,
+    v_cache,
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    rope_style: str = "neox",
+    k_scale=None,
+    v_scale=None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The op written straight into a paged KV cache; returns updated copies of the caches.
+
+    Args (beyond :func:`fused_kv_norm_rope_reference`'s):
+      cache_loc: int32/int64[total_ctx], the cache slot of each token; slots outside
+        ``[0, num_slots)`` (negative ones are padding) are skipped.
+      k_cache, v_cache: dtype-of-kv or float8_e4m3fn[n_layers, num_slots, num_kv_heads, head_dim].
+      k_scale, v_scale: fp32[n_layers], only for a float8_e4m3fn cache: the cache holds
+        ``value / scale`` saturated to +-448, rounded once from fp32.
+    """
+    call = validate_cache_call(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
+        rope_style=rope_style, k_scale=k_scale, v_scale=v_scale,
+    )
+    k, v = _k_fp32_and_v(call, *(as_numpy(a) for a in (kv, k_norm_weight, eps, cos_sin_cache, positions)))
+    k_cache, v_cache = as_numpy(k_cache).copy(), as_numpy(v_cache).copy()
+    slots = as_numpy(cache_loc).astype(np.int64)
+    written = (slots >= 0) & (slots < k_cache.shape[1])
+    for cache, values, scale in ((k_cache, k, k_scale), (v_cache, v.astype(np.float32), v_scale)):
+        if scale is not None:
+            values = np.clip(values / as_numpy(scale).astype(np.float32)[:, None, None, None],
+                             -FP8_E4M3_MAX, FP8_E4M3_MAX)
+        cache[:, slots[written]] = values[:, written].astype(cache.dtype)
+    return k_cache, v_cache
+
+
+FP8_E4M3_MAX = 448.0
+
+
+def _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions):
+    """fp32 K[n_layers, total_ctx, heads, head_dim] before its one rounding, and V as given."""
+    config = call.config
+    total_ctx, n_layers = call.total_ctx, call.n_layers
+    heads, dim, rotary_dim = config.num_kv_heads, config.head_dim, config.rotary_dim
+    half = rotary_dim // 2
+
+    k = kv[:, :, :config.kv_size].astype(np.float32).reshape(total_ctx, n_layers, heads, dim)
     inv_rms = 1.0 / np.sqrt(
         np.mean(k * k, axis=-1, keepdims=True, dtype=np.float32)
         + eps.astype(np.float32)[None, :, None, None]
@@ -65,24 +115,17 @@ def fused_kv_norm_rope_reference(
     cos = rows[:, None, None, :half]
     sin = rows[:, None, None, half:rotary_dim]
 
-    if rope_style == "neox":
-        first, second = normed[..., :half], normed[..., half:rotary_dim]
-    else:
-        first, second = normed[..., 0:rotary_dim:2], normed[..., 1:rotary_dim:2]
-    rotated_first = first * cos - second * sin
-    rotated_second = second * cos + first * sin
-
+    pair = (slice(0, half), slice(half, rotary_dim)) if config.rope_style == "neox" else (
+        slice(0, rotary_dim, 2), slice(1, rotary_dim, 2))
+    first, second = normed[..., pair[0]], normed[..., pair[1]]
     k_result = normed.copy()
-    if rope_style == "neox":
-        k_result[..., :half], k_result[..., half:rotary_dim] = rotated_first, rotated_second
-    else:
-        k_result[..., 0:rotary_dim:2], k_result[..., 1:rotary_dim:2] = rotated_first, rotated_second
+    k_result[..., pair[0]] = first * cos - second * sin
+    k_result[..., pair[1]] = second * cos + first * sin
     k_result[~in_range] = np.nan
 
-    k_out = np.ascontiguousarray(k_result.transpose(1, 0, 2, 3)).astype(kv.dtype)
-    v = kv[:, :, kv_size:].reshape(total_ctx, n_layers, heads, dim)
-    v_out = np.ascontiguousarray(v.transpose(1, 0, 2, 3))
-    return k_out, v_out
+    v = kv[:, :, config.kv_size:].reshape(total_ctx, n_layers, heads, dim)
+    return (np.ascontiguousarray(k_result.transpose(1, 0, 2, 3)),
+            np.ascontiguousarray(v.transpose(1, 0, 2, 3)))
 
 
 def rope_cos_sin_cache(max_position: int, rotary_dim: int, base: float = 10000.0) -> np.ndarray:

@@ -179,3 +179,88 @@ def _check_output(name, out, kv, expected_shape):
             f"got device={got_device}, dtype={dtype_name(out.dtype)}, "
             f"expected device={want_device}, dtype={dtype_name(kv.dtype)}."
         )
+
+
+CACHE_ONLY_DTYPES = ("float8_e4m3fn",)
+
+
+def validate_cache_call(
+    kv,
+    k_norm_weight,
+    eps,
+    cos_sin_cache,
+    positions,
+    cache_loc,
+    k_cache,
+    v_cache,
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    rope_style: str = "neox",
+    k_scale=None,
+    v_scale=None,
+) -> CallShape:
+    """:func:`validate_call`, then the paged-cache arguments of the op written into a cache.
+
+    ``k_cache``/``v_cache`` are ``[n_layers, num_slots, num_kv_heads, head_dim]`` of the
+    dtype of ``kv`` or float8_e4m3fn; an fp8 cache needs fp32 ``[n_layers]`` scales.
+    """
+    call = validate_call(
+        kv, k_norm_weight, eps, cos_sin_cache, positions,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
+    )
+    if dtype_name(cache_loc.dtype) not in POSITION_DTYPES:
+        raise ValueError(
+            "Invalid cache_loc dtype for fused KV materialization: "
+            f"got {dtype_name(cache_loc.dtype)}, expected one of {POSITION_DTYPES}."
+        )
+    if _shape(cache_loc) != (call.total_ctx,):
+        raise ValueError(
+            "Invalid cache_loc shape for fused KV materialization: "
+            f"got {_shape(cache_loc)}, expected {(call.total_ctx,)}."
+        )
+    config = call.config
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        shape = _shape(cache)
+        if (len(shape) != 4 or shape[0] != call.n_layers
+                or shape[2:] != (config.num_kv_heads, config.head_dim)):
+            raise ValueError(
+                f"Invalid {name} shape for fused KV materialization: got {shape}, expected "
+                f"(n_layers, num_slots, num_kv_heads, head_dim) = "
+                f"({call.n_layers}, num_slots, {config.num_kv_heads}, {config.head_dim})."
+            )
+    if _shape(v_cache) != _shape(k_cache):
+        raise ValueError(
+            "Invalid v_cache shape for fused KV materialization: "
+            f"got {_shape(v_cache)}, expected the shape of k_cache {_shape(k_cache)}."
+        )
+    allowed = (dtype_name(kv.dtype),) + CACHE_ONLY_DTYPES
+    for name, cache, scale_name, scale in (("k_cache", k_cache, "k_scale", k_scale),
+                                           ("v_cache", v_cache, "v_scale", v_scale)):
+        got_device, want_device = device_name(cache), device_name(kv)
+        device_differs = got_device is not None and want_device is not None and got_device != want_device
+        if device_differs or dtype_name(cache.dtype) not in allowed:
+            raise ValueError(
+                f"Invalid {name} device/dtype for fused KV materialization: "
+                f"got device={got_device}, dtype={dtype_name(cache.dtype)}, "
+                f"expected device={want_device}, dtype one of {allowed}."
+            )
+        _check_scale(scale_name, scale, dtype_name(cache.dtype) in CACHE_ONLY_DTYPES, call.n_layers)
+    return call
+
+
+def _check_scale(name, scale, needed, n_layers):
+    if not needed:
+        if scale is not None:
+            raise ValueError(
+                f"Invalid {name} for fused KV materialization: got a scale, expected None "
+                "for a cache that is not float8_e4m3fn."
+            )
+        return
+    if scale is None or _shape(scale) != (n_layers,) or dtype_name(scale.dtype) != "float32":
+        got = None if scale is None else f"{dtype_name(scale.dtype)}{_shape(scale)}"
+        raise ValueError(
+            f"Invalid {name} for fused KV materialization: got {got}, "
+            f"expected float32{(n_layers,)} for a float8_e4m3fn cache."
+        )

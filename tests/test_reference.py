@@ -7,9 +7,13 @@ import pytest
 
 from interop.arrays import numpy_dtype
 from interop.inputs import random_inputs
-from interop.reference import fused_kv_norm_rope_reference, rope_cos_sin_cache
+from interop.reference import (
+    fused_kv_norm_rope_into_cache_reference,
+    fused_kv_norm_rope_reference,
+    rope_cos_sin_cache,
+)
 from interop.spec import FusedKVConfig
-from interop.tolerance import assert_bit_exact, assert_close
+from interop.tolerance import Tolerance, assert_bit_exact, assert_close
 
 
 def float64_truth(kv, weight, eps, cache, positions, heads, dim, rotary_dim, style):
@@ -95,3 +99,34 @@ def test_position_zero_is_plain_rmsnorm():
     x = inputs.kv[0, 0, :8].astype(np.float64)
     expected = x / np.sqrt(np.mean(x * x) + inputs.eps[0]) * inputs.k_norm_weight[0]
     np.testing.assert_allclose(k[0, 0, 0], expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_cache_reference_writes_each_token_to_its_slot_and_skips_padding(cache_dtype):
+    config = FusedKVConfig(2, 32, 32)
+    inputs = random_inputs(config, n_layers=3, total_ctx=4, max_position=64, seed=11)
+    cache_loc = np.array([5, -1, 0, 7], np.int64)
+    poison = np.full((3, 8, 2, 32), -3.0, np.float32).astype(numpy_dtype(cache_dtype))
+    scales = {}
+    if cache_dtype == "float8_e4m3fn":
+        scales = dict(k_scale=np.array([0.5, 1.0, 0.01], np.float32),
+                      v_scale=np.array([2.0, 0.25, 1.0], np.float32))
+    k_cache, v_cache = fused_kv_norm_rope_into_cache_reference(
+        *inputs.arrays(), cache_loc, poison, poison.copy(),
+        num_kv_heads=2, head_dim=32, rotary_dim=32, **scales)
+    k, v = fused_kv_norm_rope_reference(*inputs.arrays(), num_kv_heads=2, head_dim=32, rotary_dim=32)
+    truth = float64_truth(*inputs.arrays(), 2, 32, 32, "neox")
+    for token, slot in ((0, 5), (2, 0), (3, 7)):
+        if cache_dtype == "bfloat16":
+            assert_bit_exact(k_cache[:, slot], k[:, token])
+            assert_bit_exact(v_cache[:, slot], v[:, token])
+        else:
+            for cache, values, scale in ((k_cache, truth, scales["k_scale"]),
+                                         (v_cache, v.astype(np.float64), scales["v_scale"])):
+                expected = np.clip(values[:, token] / scale[:, None, None], -448, 448)
+                assert_close(cache[:, slot].astype(np.float32),
+                             expected.astype(numpy_dtype("float8_e4m3fn")).astype(np.float32),
+                             tolerance=Tolerance(ulps=0, atol=0.0625 * np.abs(expected).max(), reason="fp8"))
+    untouched = [1, 2, 3, 4, 6]
+    assert_bit_exact(k_cache[:, untouched], poison[:, untouched])
+    assert_bit_exact(v_cache[:, untouched], poison[:, untouched])

@@ -7,7 +7,8 @@ import pytest
 
 from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_reference
-from interop.spec import FusedKVConfig, validate_call
+from interop.arrays import numpy_dtype
+from interop.spec import FusedKVConfig, validate_cache_call, validate_call
 
 CONFIG = FusedKVConfig(num_kv_heads=2, head_dim=8, rotary_dim=8)
 STATIC = dict(num_kv_heads=2, head_dim=8, rotary_dim=8)
@@ -120,3 +121,57 @@ def test_validation_reports_the_sizes_launchers_need():
     call = validate_call(**_args(total_ctx=5, n_layers=3), **STATIC)
     assert (call.total_ctx, call.n_layers, call.max_position) == (5, 3, 64)
     assert call.output_shape == (3, 5, 2, 8)
+
+
+def _cache_args(num_slots=10, cache_dtype=None, **overrides):
+    args = _args()
+    dtype = cache_dtype or args["kv"].dtype
+    args.update(cache_loc=np.array([4, -1, 9], np.int64),
+                k_cache=np.zeros((2, num_slots, 2, 8), dtype),
+                v_cache=np.zeros((2, num_slots, 2, 8), dtype))
+    args.update(overrides)
+    return args
+
+
+def _expect_cache(message, **kwargs):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        validate_cache_call(**kwargs)
+
+
+def test_cache_shape_names_the_expected_layout():
+    _expect_cache("Invalid k_cache shape for fused KV materialization: got (2, 10, 8), expected "
+                  "(n_layers, num_slots, num_kv_heads, head_dim) = (2, num_slots, 2, 8).",
+                  **_cache_args(k_cache=np.zeros((2, 10, 8))), **STATIC)
+
+
+def test_v_cache_must_match_k_cache():
+    _expect_cache("Invalid v_cache shape for fused KV materialization: got (2, 11, 2, 8), "
+                  "expected the shape of k_cache (2, 10, 2, 8).",
+                  **_cache_args(v_cache=np.zeros((2, 11, 2, 8), numpy_dtype("bfloat16"))), **STATIC)
+
+
+def test_cache_loc_must_have_one_slot_per_token():
+    _expect_cache("Invalid cache_loc shape for fused KV materialization: got (2,), expected (3,).",
+                  **_cache_args(cache_loc=np.zeros(2, np.int32)), **STATIC)
+
+
+def test_cache_dtype_is_kv_dtype_or_fp8():
+    _expect_cache("Invalid k_cache device/dtype for fused KV materialization: got device=cpu, "
+                  "dtype=float32, expected device=cpu, dtype one of ('bfloat16', 'float8_e4m3fn').",
+                  **_cache_args(cache_dtype=np.float32), **STATIC)
+
+
+def test_fp8_cache_needs_per_layer_fp32_scales():
+    _expect_cache("Invalid k_scale for fused KV materialization: got None, expected "
+                  "float32(2,) for a float8_e4m3fn cache.",
+                  **_cache_args(cache_dtype=numpy_dtype("float8_e4m3fn")), **STATIC)
+    _expect_cache("Invalid v_scale for fused KV materialization: got float32(3,), expected "
+                  "float32(2,) for a float8_e4m3fn cache.",
+                  **_cache_args(cache_dtype=numpy_dtype("float8_e4m3fn")), **STATIC,
+                  k_scale=np.ones(2, np.float32), v_scale=np.ones(3, np.float32))
+
+
+def test_scales_are_refused_for_a_cache_that_is_not_fp8():
+    _expect_cache("Invalid k_scale for fused KV materialization: got a scale, expected None for "
+                  "a cache that is not float8_e4m3fn.",
+                  **_cache_args(), **STATIC, k_scale=np.ones(2, np.float32))
