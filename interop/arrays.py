@@ -24,33 +24,11 @@ def numpy_dtype(name: str) -> np.dtype:
 
 
 def as_numpy(array) -> np.ndarray:
-    """A NumPy array with the same values and dtype; bf16 and fp8 torch tensors included."""
+    """A host NumPy array with the same values and dtype (a device array is copied to the host)."""
     if isinstance(array, np.ndarray):
         return array
     if type(array).__module__.startswith("torch"):
-        return _torch_to_numpy(array)
+        from interop.exchange import to_caller
+
+        return to_caller(array.detach().cpu(), "numpy")
     return np.asarray(array)
-
-
-def _torch_to_numpy(tensor) -> np.ndarray:
-    import torch
-
-    tensor = tensor.detach().cpu()
-    name = str(tensor.dtype).removeprefix("torch.")
-    if name in ("bfloat16", "float8_e4m3fn"):
-        bits = torch.int16 if name == "bfloat16" else torch.uint8
-        return tensor.contiguous().view(bits).numpy().view(_NUMPY_DTYPES[name])
-    return tensor.numpy()
-
-
-def numpy_to_torch(array: np.ndarray, device: str = "cpu"):
-    """A torch tensor with the same bytes; bf16 and fp8 go through an integer view."""
-    import torch
-
-    name = dtype_name(array.dtype)
-    if name in ("bfloat16", "float8_e4m3fn"):
-        bits = np.int16 if name == "bfloat16" else np.uint8
-        host = torch.from_numpy(np.ascontiguousarray(array).view(bits)).view(getattr(torch, name))
-    else:
-        host = torch.from_numpy(np.ascontiguousarray(array))
-    return host.to(device)

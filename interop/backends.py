@@ -14,7 +14,8 @@ import time
 
 import numpy as np
 
-from interop.arrays import as_numpy, numpy_to_torch
+from interop.arrays import as_numpy
+from interop.exchange import to_torch
 from interop.inputs import OpInputs
 from interop.spec import FusedKVConfig
 
@@ -54,7 +55,7 @@ def run_torch(inputs: OpInputs, config: FusedKVConfig) -> BackendRun:
     except ImportError as error:
         raise BackendUnavailable(f"fusedkv_torch cannot be imported ({error})") from error
     device = "cuda" if on_gpu else "cpu"
-    args = [numpy_to_torch(a, device) for a in inputs.arrays()]
+    args = [to_torch(a).to(device) for a in inputs.arrays()]
 
     def wait(outputs):
         if on_gpu:
