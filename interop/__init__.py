@@ -3,6 +3,7 @@
 Importing this package imports neither torch nor jax.
 """
 
+from interop.dispatch import fused_kv_norm_rope
 from interop.reference import (
     fused_kv_norm_rope_into_cache_reference,
     fused_kv_norm_rope_reference,
@@ -17,6 +18,7 @@ __all__ = [
     "assert_bit_exact",
     "assert_close",
     "compare",
+    "fused_kv_norm_rope",
     "fused_kv_norm_rope_into_cache_reference",
     "fused_kv_norm_rope_reference",
     "rope_cos_sin_cache",

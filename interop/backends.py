@@ -1,25 +1,23 @@
-"""The kernels as seen by ``fusedkv check``: load a backend, run it on host inputs.
+"""The kernels as ``fusedkv check`` runs them: the same input bytes, through DLPack, to each.
 
-A backend is imported only when asked for, so ``interop`` stays free of torch and
-jax. Without a GPU, the Triton kernel runs under ``TRITON_INTERPRET=1`` (set here
-before ``fusedkv_torch`` is imported, as Triton reads it when a kernel is
-decorated) and the Pallas kernel with ``interpret=True``.
+The inputs are placed once, in one framework (torch on a GPU when it is installed,
+else jax on a GPU, else NumPy on the CPU), and every backend is called on those
+very buffers through :func:`interop.dispatch.fused_kv_norm_rope`, so a difference
+between backends is a difference of kernels, not of inputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 
 import numpy as np
 
+from interop import dispatch
 from interop.arrays import as_numpy
-from interop.exchange import to_torch
+from interop.exchange import to_jax, to_torch
 from interop.inputs import OpInputs
 from interop.spec import FusedKVConfig
-
-BACKEND_NAMES = ("torch", "jax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,70 +33,68 @@ class BackendUnavailable(Exception):
     """The backend's framework or kernel is not installed here; the message says which."""
 
 
-def _timed(call, wait):
-    wait(call())  # the first call compiles; time the second
-    start = time.perf_counter()
-    result = wait(call())
-    return result, time.perf_counter() - start
-
-
-def run_torch(inputs: OpInputs, config: FusedKVConfig) -> BackendRun:
-    try:
-        import torch
-    except ImportError as error:
-        raise BackendUnavailable(f"torch is not installed ({error})") from error
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    try:
-        from fusedkv_torch import fused_kv_norm_rope
-    except ImportError as error:
-        raise BackendUnavailable(f"fusedkv_torch cannot be imported ({error})") from error
-    device = "cuda" if on_gpu else "cpu"
-    args = [to_torch(a).to(device) for a in inputs.arrays()]
-
-    def wait(outputs):
-        if on_gpu:
-            torch.cuda.synchronize()
-        return outputs
-
-    (k, v), seconds = _timed(lambda: fused_kv_norm_rope(
-        *args, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-        rotary_dim=config.rotary_dim, rope_style=config.rope_style), wait)
-    label = f"GPU ({torch.cuda.get_device_name()})" if on_gpu else "CPU (Triton interpret)"
-    return BackendRun("torch", label, as_numpy(k), as_numpy(v), seconds)
-
-
-def run_jax(inputs: OpInputs, config: FusedKVConfig) -> BackendRun:
-    try:
-        import jax
-        from fusedkv_jax import fused_kv_norm_rope
-    except ImportError as error:
-        raise BackendUnavailable(f"jax or fusedkv_jax cannot be imported ({error})") from error
-    args = [jax.device_put(a) for a in inputs.arrays()]
-    (k, v), seconds = _timed(lambda: fused_kv_norm_rope(
-        *args, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-        rotary_dim=config.rotary_dim, rope_style=config.rope_style), jax.block_until_ready)
-    on_gpu = jax.default_backend() == "gpu"
-    label = f"GPU ({jax.devices()[0].device_kind})" if on_gpu else "CPU (Pallas interpret)"
-    return BackendRun("jax", label, as_numpy(k), as_numpy(v), seconds)
-
-
-RUNNERS = {"torch": run_torch, "jax": run_jax}
-
-
-def gpu_present() -> bool:
-    """Whether either framework sees a GPU (decides the default sizes of ``check``)."""
-    try:
+def gpu_framework() -> str | None:
+    """The framework that will hold the shared inputs on a GPU, or None without a GPU."""
+    if dispatch.backend_installed("torch"):
         import torch
 
         if torch.cuda.is_available():
-            return True
-    except ImportError:
-        pass
-    try:
+            return "torch"
+    if dispatch.backend_installed("jax"):
         import jax
 
-        return jax.default_backend() == "gpu"
-    except ImportError:
-        return False
+        if jax.default_backend() == "gpu":
+            return "jax"
+    return None
+
+
+def place_inputs(inputs: OpInputs) -> tuple:
+    """The inputs on the device every backend will read them from."""
+    framework = gpu_framework()
+    if framework == "torch":
+        return tuple(to_torch(a).to("cuda") for a in inputs.arrays())
+    if framework == "jax":
+        return tuple(to_jax(a) for a in inputs.arrays())
+    return inputs.arrays()
+
+
+def _device_label(name: str) -> str:
+    if gpu_framework() is None:
+        return f"CPU ({'Triton' if name == 'torch' else 'Pallas'} interpret)"
+    if name == "torch":
+        import torch
+
+        return f"GPU ({torch.cuda.get_device_name()})"
+    import jax
+
+    return f"GPU ({jax.devices()[0].device_kind})"
+
+
+def _wait(outputs):
+    for output in outputs:
+        if hasattr(output, "block_until_ready"):
+            output.block_until_ready()
+        elif type(output).__module__.startswith("torch") and output.is_cuda:
+            import torch
+
+            torch.cuda.synchronize(output.device)
+    return outputs
+
+
+def run_backend(name: str, placed: tuple, config: FusedKVConfig) -> BackendRun:
+    """Call backend ``name`` twice on ``placed`` (the first call compiles), time the second."""
+    try:
+        dispatch.load_backend(name)
+    except ImportError as error:
+        raise BackendUnavailable(f"{name} backend not installed ({error})") from error
+
+    def call():
+        return _wait(dispatch.fused_kv_norm_rope(
+            *placed, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+            rotary_dim=config.rotary_dim, rope_style=config.rope_style, backend=name))
+
+    call()
+    start = time.perf_counter()
+    k, v = call()
+    seconds = time.perf_counter() - start
+    return BackendRun(name, _device_label(name), as_numpy(k), as_numpy(v), seconds)

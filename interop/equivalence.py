@@ -6,7 +6,8 @@ import dataclasses
 import itertools
 import time
 
-from interop.backends import BACKEND_NAMES, RUNNERS, BackendUnavailable, gpu_present
+from interop.backends import BackendUnavailable, gpu_framework, place_inputs, run_backend
+from interop.dispatch import BACKENDS
 from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_reference
 from interop.spec import FusedKVConfig
@@ -80,13 +81,13 @@ class CheckReport:
                 "-" if row.k_max_ulps is None else f"{row.k_max_ulps:.2f}",
                 "-" if row.v_mismatches is None else
                 ("bit-exact" if row.v_mismatches == 0 else f"{row.v_mismatches} differ"),
-                {True: "PASS", False: "FAIL", None: "skipped"}[row.ok],
+                {True: "PASS", False: "FAIL", None: "-" if row.subject == "reference" else "skipped"}[row.ok],
                 "-" if row.seconds is None else f"{row.seconds * 1e3:.2f} ms",
             ))
         widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
         text = [title] + ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
         text += [f"  {row.subject} vs {row.against}: {row.detail}" for row in self.rows
-                 if row.ok is not True and row.detail]
+                 if row.detail]
         text.append("ALL PASS" if self.ok else "DISAGREEMENT FOUND")
         return "\n".join(text)
 
@@ -104,13 +105,14 @@ def _compare_row(subject, device, against, k, v, k_expected, v_expected, seconds
 def run_check(options: CheckOptions, runners=None) -> CheckReport:
     """Run the reference and the chosen backends on one set of inputs and compare them all.
 
-    ``runners`` maps backend names to callables ``(inputs, config) -> BackendRun``
-    (default: the real kernels); tests pass a corrupted one to see the check fail.
+    ``runners`` maps backend names to callables ``(name, placed_inputs, config) ->
+    BackendRun`` (default: :func:`interop.backends.run_backend`); tests pass a
+    corrupted one to see the check fail.
     """
-    runners = runners or {name: RUNNERS[name] for name in (options.backends or BACKEND_NAMES)}
+    runners = runners or {name: run_backend for name in (options.backends or BACKENDS)}
     total_ctx = options.total_ctx
     if total_ctx is None:
-        total_ctx = DEFAULT_TOKENS_GPU if gpu_present() else DEFAULT_TOKENS_CPU
+        total_ctx = DEFAULT_TOKENS_CPU if gpu_framework() is None else DEFAULT_TOKENS_GPU
     config = options.config
     inputs = random_inputs(config, n_layers=options.n_layers, total_ctx=total_ctx,
                            dtype=options.dtype, max_position=options.max_position, seed=options.seed)
@@ -119,10 +121,11 @@ def run_check(options: CheckOptions, runners=None) -> CheckReport:
         *inputs.arrays(), num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         rotary_dim=config.rotary_dim, rope_style=config.rope_style)
     rows = [Row("reference", "CPU (NumPy)", "-", None, None, None, time.perf_counter() - start, "")]
+    placed = place_inputs(inputs)
     runs = []
     for name, runner in runners.items():
         try:
-            run = runner(inputs, config)
+            run = runner(name, placed, config)
         except BackendUnavailable as reason:
             rows.append(Row(name, "-", "-", None, None, None, None, str(reason)))
             continue

@@ -1,0 +1,132 @@
+"""One backend-neutral call: arrays of any framework in, the chosen kernel, arrays of the caller's framework out.
+
+Inputs cross to the backend through DLPack (:mod:`interop.exchange` says what is
+zero-copy and what is not). On a GPU, DLPack's stream handshake orders the
+exchange: the consumer passes its stream to the producer's ``__dlpack__``, which
+makes that stream wait for work queued on the producer's stream, so no
+device-wide synchronise is needed.
+
+Given ``k_out``/``v_out`` and where they are written:
+
+* same framework as the backend (torch tensors to the torch backend, NumPy arrays
+  on the CPU to the torch backend): written in place, the very buffers returned;
+* torch or NumPy outputs with the jax backend: jax writes fresh buffers, copied
+  into the caller's (one copy of the outputs);
+* jax outputs: jax arrays are immutable, so the caller gets new arrays; under
+  ``jax.jit`` use ``fusedkv_jax`` with donated outputs to reuse their memory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+from interop.exchange import framework_of, to_caller, to_framework
+from interop.spec import validate_call
+
+BACKENDS = ("torch", "jax")
+
+
+def load_backend(name: str):
+    """The kernel package of ``name`` (``fusedkv_torch`` or ``fusedkv_jax``), imported once.
+
+    Without a GPU, Triton runs in interpret mode; Triton reads ``TRITON_INTERPRET`` when
+    a kernel is decorated, so it is set here before ``fusedkv_torch`` is first imported.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"Invalid backend for fused KV materialization: got {name!r}, "
+                         f"expected one of {BACKENDS + ('auto',)}.")
+    if name == "torch" and "fusedkv_torch" not in importlib.sys.modules:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+    return importlib.import_module(f"fusedkv_{name}")
+
+
+def backend_installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None and (
+        name != "torch" or importlib.util.find_spec("triton") is not None)
+
+
+def choose_backend(backend: str, caller: str) -> str:
+    """``auto``: the caller's own framework when its backend is installed, else the other."""
+    if backend != "auto":
+        load_backend(backend)
+        return backend
+    preferred = [caller] if caller in BACKENDS else []
+    for name in preferred + [b for b in BACKENDS if b not in preferred]:
+        if backend_installed(name):
+            return name
+    raise ValueError("No fused KV backend is installed: install fusedkv[torch] or fusedkv[jax].")
+
+
+def fused_kv_norm_rope(
+    kv,
+    k_norm_weight,
+    eps,
+    cos_sin_cache,
+    positions,
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    rope_style: str = "neox",
+    k_out=None,
+    v_out=None,
+    backend: str = "auto",
+):
+    """RMSNorm + RoPE on K, V passed through, on any framework's arrays.
+
+    ``kn = k * rsqrt(mean(k*k) + eps[l]) * k_norm_weight[l]``, RoPE on the first
+    ``rotary_dim`` dims of ``kn``, ``v_out = v``; DESIGN.md section 1.
+
+    Args:
+      kv: bf16/fp16/fp32[total_ctx, n_layers, 2*kv_size], any object with ``__dlpack__``.
+      k_norm_weight: float[n_layers, head_dim].
+      eps: fp32[n_layers].
+      cos_sin_cache: fp32[max_pos, rotary_dim].
+      positions: int32/int64[total_ctx].
+      k_out, v_out: optional dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim]
+        (see the module docstring for when they are written in place).
+      backend: ``"torch"``, ``"jax"`` or ``"auto"``.
+
+    Returns:
+      ``(k_out, v_out)`` as arrays of ``kv``'s framework.
+    """
+    validate_call(
+        kv, k_norm_weight, eps, cos_sin_cache, positions,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
+        rope_style=rope_style, k_out=k_out, v_out=v_out,
+    )
+    caller = framework_of(kv)
+    chosen = choose_backend(backend, caller)
+    module = load_backend(chosen)
+    inputs = [to_framework(a, chosen) for a in (kv, k_norm_weight, eps, cos_sin_cache, positions)]
+    given = {"k_out": k_out, "v_out": v_out}
+    in_place = {name: to_framework(out, chosen) for name, out in given.items()
+                if _written_in_place(out, chosen)}
+    k, v = module.fused_kv_norm_rope(
+        *inputs, num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
+        rope_style=rope_style, **in_place,
+    )
+    return _deliver(k_out, k, caller, chosen), _deliver(v_out, v, caller, chosen)
+
+
+def _written_in_place(out, backend: str) -> bool:
+    return out is not None and backend == "torch" and framework_of(out) in ("torch", "numpy")
+
+
+def _deliver(given, result, caller: str, backend: str):
+    """The result as the caller should see it: its own buffer, or a new array of its framework."""
+    if given is None or framework_of(given) == "jax":
+        return to_caller(result, caller)
+    if _written_in_place(given, backend):
+        return given
+    if framework_of(given) == "numpy":
+        import numpy as np
+
+        np.copyto(given, to_caller(result, "numpy"))
+    else:
+        given.copy_(to_framework(result, "torch"))
+    return given
