@@ -45,5 +45,14 @@ def test_bit_exact_names_the_first_difference():
 
 
 def test_every_tolerance_states_its_reason():
-    assert set(TOLERANCES) == {"float32", "float16", "bfloat16"}
+    assert set(TOLERANCES) == {"float32", "float16", "bfloat16", "float8_e4m3fn"}
     assert all(len(t.reason) > 40 for t in TOLERANCES.values())
+
+
+@pytest.mark.parametrize("dtype, largest, step_below", [("float8_e4m3fn", 448.0, 32.0),
+                                                        ("bfloat16", 2.0 ** 127 * 255 / 128, 2.0 ** 120)])
+def test_largest_finite_value_has_the_step_below_as_ulp(dtype, largest, step_below):
+    # The step above it is NaN (fp8) or Inf (bf16); without this an error there could not fail.
+    expected = np.array([largest], numpy_dtype(dtype))
+    assert ulp(expected, dtype).tolist() == [step_below]
+    assert not compare(np.array([largest - 2 * step_below], numpy_dtype(dtype)), expected).ok
