@@ -1,0 +1,373 @@
+"""Fused K/V materialization for all draft layers: one Pallas GPU kernel, two entry points.
+
+Per token ``t``, layer ``l``, head ``h`` (DESIGN.md section 1), in fp32 with one rounding:
+``kn = k * rsqrt(mean(k*k) + eps[l]) * k_norm_weight[l]``, RoPE on the first
+``rotary_dim`` dims of ``kn`` by the cos/sin row of ``positions[t]`` (``neox``:
+halves, ``gptj``: interleaved pairs), the remaining dims of ``kn`` unrotated, and V
+copied bit for bit. :func:`fused_kv_norm_rope` writes ``[n_layers, total_ctx, heads,
+head_dim]`` outputs; :func:`fused_kv_norm_rope_into_cache` writes the same values into
+slot ``cache_loc[t]`` of paged caches (quantizing to float8_e4m3fn where the cache is).
+
+Lowering: the Pallas **Triton** lowering (``jax.experimental.pallas.triton``), chosen by
+passing its ``CompilerParams``. The kernel needs two things per token that only it
+offers among the Pallas GPU lowerings on Hopper: a gather (the cos/sin row of a
+data-dependent position, and the RoPE partner of each element, are array-indexed
+loads) and masked loads and stores (``head_dim`` 96 or 192 in power-of-two tiles, the
+ragged last token block, padding slots of a cache). Mosaic GPU, the default GPU
+lowering since jax 0.9, has dynamic-start slices but no array-index gathers on
+Hopper; gathering the cos/sin rows with XLA before the kernel (``jnp.take``) would
+make it lowering-agnostic but costs a second launch and a round trip of
+``total_ctx * rotary_dim * 4`` bytes, which the 1.5 us bar at 16 tokens cannot
+afford. The Triton lowering is deprecated since jax 0.11.0 (it warns once per
+lowering, a ``DeprecationWarning``) but is present and runs on the H200 with
+jax 0.11.2. What is Triton-specific here is confined to :func:`_load`, :func:`_store`
+and the ``compiler_params`` of :func:`_launch`: a Mosaic GPU variant would replace
+the three and the gathers inside :func:`_fused_kv_kernel`. Without a GPU the same
+kernel runs in Pallas interpret mode (``interpret=True``).
+
+Tiling: one program per (block of ``block_tokens`` tokens, layer, block of
+``block_heads`` heads) works on a ``[block_tokens, block_heads, head_dim]`` tile,
+``head_dim`` padded to a power of two and masked. With every head in the block (the
+default), a program reads contiguous K and V rows of ``kv`` and, without a cache,
+writes one contiguous chunk of each output; the cos/sin rows are loaded once per
+token and shared by all heads. The RoPE partner of each element is a second,
+L1-resident load of the K tile at permuted columns, which keeps partial rotary,
+``gptj`` and non-power-of-two ``head_dim`` on one code path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from interop.reference import FP8_E4M3_MAX
+from interop.spec import FusedKVConfig, validate_cache_call, validate_call
+
+# A tile of about this many K elements per program keeps each thread's share (the K
+# tile, its RoPE partner, cos and sin) in registers at 4 warps.
+_TILE_ELEMENTS = 2048
+# Below this many programs (two per H200 multiprocessor) a short context leaves the
+# GPU idle, so smaller token blocks are taken instead.
+_MIN_PROGRAMS = 264
+
+
+def _load(ref, *, mask, other):
+    return plgpu.load(ref, mask=mask, other=other)
+
+
+def _store(ref, value, *, mask):
+    plgpu.store(ref, value.astype(ref.dtype), mask=mask)
+
+
+def _rope_columns(rope_style: str, rotary_dim: int, block_dim: int):
+    """For each of the tile's ``block_dim`` columns: its cos/sin index, RoPE partner, sign.
+
+    ``rotated = kn * cos[freq] + kn[partner] * sign * sin[freq]``; columns at or
+    beyond ``rotary_dim`` are their own partner with sign 0 (left unrotated).
+    """
+    dims = jnp.arange(block_dim)
+    half = rotary_dim // 2
+    rotated = dims < rotary_dim
+    if rope_style == "neox":
+        first = dims < half
+        freq = jnp.where(first, dims, dims - half)
+        partner = jnp.where(first, dims + half, dims - half)
+    else:
+        first = dims % 2 == 0
+        freq = dims // 2
+        partner = jnp.where(first, dims + 1, dims - 1)
+    sign = jnp.where(first, -1.0, 1.0).astype(jnp.float32)
+    return (jnp.where(rotated, freq, 0), jnp.where(rotated, partner, dims),
+            jnp.where(rotated, sign, 0.0), rotated)
+
+
+def _fused_kv_kernel(
+    kv_ref, weight_ref, eps_ref, cos_sin_ref, positions_ref, *refs,
+    num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str,
+    block_tokens: int, block_heads: int, slotted: bool, k_quantized: bool, v_quantized: bool,
+):
+    """One ``[block_tokens, block_heads, head_dim]`` tile of K and V for one layer.
+
+    Refs are whole arrays: ``kv[total_ctx, n_layers, 2*kv_size]``, ``weight[n_layers,
+    head_dim]``, ``eps[n_layers]``, ``cos_sin[max_pos, rotary_dim]``,
+    ``positions[total_ctx]``; then, as the static switches say, ``slots[total_ctx]``,
+    ``k_scale[n_layers]``, ``v_scale[n_layers]``, the aliased destinations (unread),
+    and the outputs ``k_out, v_out[n_layers, rows, num_kv_heads, head_dim]``.
+    """
+    optional = iter(refs)
+    slots_ref = next(optional) if slotted else None
+    k_scale_ref = next(optional) if k_quantized else None
+    v_scale_ref = next(optional) if v_quantized else None
+    k_out_ref, v_out_ref = refs[-2:]
+    total_ctx, max_position = kv_ref.shape[0], cos_sin_ref.shape[0]
+    num_rows = k_out_ref.shape[1]
+    block_dim = pl.next_power_of_2(head_dim)
+    kv_size = num_kv_heads * head_dim
+
+    layer = pl.program_id(1)
+    tokens = pl.program_id(0) * block_tokens + jnp.arange(block_tokens)
+    heads = pl.program_id(2) * block_heads + jnp.arange(block_heads)
+    dims = jnp.arange(block_dim)
+    token_ok = tokens < total_ctx
+    dim_ok = dims < head_dim
+    tile_ok = token_ok[:, None, None] & (heads < num_kv_heads)[None, :, None] & dim_ok[None, None, :]
+    token_index = tokens[:, None, None]
+    head_base = heads[None, :, None] * head_dim
+
+    def load_kv(columns):
+        return _load(kv_ref.at[token_index, layer, columns], mask=tile_ok, other=0.0)
+
+    freq, partner, sign, rotated = _rope_columns(rope_style, rotary_dim, block_dim)
+    k = load_kv(head_base + dims[None, None, :]).astype(jnp.float32)
+    k_partner = load_kv(head_base + partner[None, None, :]).astype(jnp.float32)
+    weight = _load(weight_ref.at[layer, dims], mask=dim_ok, other=0.0).astype(jnp.float32)
+    weight_partner = _load(weight_ref.at[layer, partner], mask=dim_ok, other=0.0).astype(jnp.float32)
+    eps = _load(eps_ref.at[layer], mask=None, other=None)
+    inv_rms = jax.lax.rsqrt(jnp.sum(k * k, axis=-1, keepdims=True) / head_dim + eps)
+
+    positions = _load(positions_ref.at[tokens], mask=token_ok, other=0)
+    position_ok = (positions >= 0) & (positions < max_position)
+    # An out-of-range position is never read: its row is masked and becomes NaN below.
+    row_mask = (token_ok & position_ok)[:, None] & rotated[None, :]
+    position_index = positions[:, None]
+    cos = _load(cos_sin_ref.at[position_index, freq[None, :]], mask=row_mask, other=1.0)
+    sin = _load(cos_sin_ref.at[position_index, rotary_dim // 2 + freq[None, :]],
+                mask=row_mask, other=0.0)
+    k_rotated = (k * inv_rms * weight) * cos[:, None, :] + (
+        (k_partner * inv_rms * weight_partner) * (sin * sign[None, :])[:, None, :])
+    k_rotated = jnp.where(position_ok[:, None, None], k_rotated, jnp.nan)
+    v = load_kv(kv_size + head_base + dims[None, None, :])
+
+    if slotted:
+        rows = _load(slots_ref.at[tokens], mask=token_ok, other=-1)
+        row_ok = token_ok & (rows >= 0) & (rows < num_rows)
+    else:
+        rows, row_ok = tokens, token_ok
+    # Skipped rows point one past the end: masked on the GPU, and dropped (not written
+    # back with a stale value) by interpret mode's scatter.
+    row_index = jnp.where(row_ok, rows, num_rows)[:, None, None]
+    store_ok = tile_ok & row_ok[:, None, None]
+    for out_ref, value, scale_ref in ((k_out_ref, k_rotated, k_scale_ref),
+                                      (v_out_ref, v, v_scale_ref)):
+        if scale_ref is not None:
+            scale = _load(scale_ref.at[layer], mask=None, other=None)
+            value = jnp.clip(value.astype(jnp.float32) / scale, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+        _store(out_ref.at[layer, row_index, heads[None, :, None], dims[None, None, :]],
+               value, mask=store_ok)
+
+
+def _tile(total_ctx, n_layers, num_kv_heads, head_dim, block_tokens, block_heads, num_warps):
+    """``(block_tokens, block_heads, num_warps)``: the overrides given, the rest chosen."""
+    for name, value in (("block_tokens", block_tokens), ("block_heads", block_heads),
+                        ("num_warps", num_warps)):
+        if value is not None and (value < 1 or value & (value - 1)):
+            raise ValueError(f"Invalid {name} for fused KV materialization: got {value}, "
+                             "expected a power of two.")
+    block_dim = pl.next_power_of_2(head_dim)
+    if block_heads is None:
+        block_heads = pl.next_power_of_2(num_kv_heads)
+    if block_tokens is None:
+        block_tokens = max(1, _TILE_ELEMENTS // (block_heads * block_dim))
+        head_blocks = pl.cdiv(num_kv_heads, block_heads)
+        while block_tokens > 1 and (
+                pl.cdiv(total_ctx, block_tokens) * n_layers * head_blocks < _MIN_PROGRAMS):
+            block_tokens //= 2
+    if num_warps is None:
+        num_warps = 4
+    return block_tokens, block_heads, num_warps
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "config", "block_tokens", "block_heads", "num_warps", "interpret"))
+def _launch(kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dest, v_dest,
+            k_scale, v_scale, *, config: FusedKVConfig, block_tokens, block_heads, num_warps,
+            interpret):
+    """The one ``pallas_call``: writes ``[n_layers, rows, heads, head_dim]`` K and V.
+
+    ``slots`` None: row ``t`` is token ``t`` and ``rows == total_ctx``; else token ``t``
+    goes to row ``slots[t]`` of ``k_dest``/``v_dest`` (rows outside ``[0, rows)`` are
+    skipped). A destination given is aliased to its output, so a donated buffer is
+    written in place; one not given is a fresh array.
+    """
+    total_ctx, n_layers, _ = kv.shape
+    shape = config.output_shape(n_layers, total_ctx)
+    destinations = (k_dest, v_dest)
+    out_shape = [jax.ShapeDtypeStruct(shape if d is None else d.shape, kv.dtype if d is None else d.dtype)
+                 for d in destinations]
+    inputs = [kv, k_norm_weight, eps, cos_sin_cache, positions]
+    inputs += [a for a in (slots, k_scale, v_scale) if a is not None]
+    aliases = {}
+    for output_index, destination in enumerate(destinations):
+        if destination is not None:
+            aliases[len(inputs)] = output_index
+            inputs.append(destination)
+    kernel = functools.partial(
+        _fused_kv_kernel,
+        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+        rotary_dim=config.rotary_dim, rope_style=config.rope_style,
+        block_tokens=block_tokens, block_heads=block_heads,
+        slotted=slots is not None, k_quantized=k_scale is not None,
+        v_quantized=v_scale is not None,
+    )
+    grid = (pl.cdiv(total_ctx, block_tokens), n_layers, pl.cdiv(config.num_kv_heads, block_heads))
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps),
+        interpret=interpret,
+        name="fused_kv_norm_rope",
+    )(*inputs)
+
+
+def _on_cpu(kv) -> bool:
+    """Whether ``kv`` lives on the CPU; a jit tracer has no device, so the default backend decides."""
+    if isinstance(kv, jax.core.Tracer) or not isinstance(kv, jax.Array):
+        return jax.default_backend() == "cpu"
+    return all(device.platform == "cpu" for device in kv.devices())
+
+
+def _narrow_host_indices(indices, size: int):
+    """A host int64 array as int32, out-of-range values pinned just outside ``[0, size)``.
+
+    With x64 off, jax would wrap int64 to int32, which can carry an out-of-range
+    index into range; pinning first keeps it out. Device arrays are already int32
+    there (jax never holds int64 with x64 off) and pass unchanged.
+    """
+    if (isinstance(indices, np.ndarray) and indices.dtype == np.int64
+            and not jax.config.jax_enable_x64):
+        return np.clip(indices, -1, size).astype(np.int32)
+    return indices
+
+
+def fused_kv_norm_rope(
+    kv,
+    k_norm_weight,
+    eps,
+    cos_sin_cache,
+    positions,
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    rope_style: str = "neox",
+    k_out=None,
+    v_out=None,
+    block_tokens: int | None = None,
+    block_heads: int | None = None,
+    num_warps: int | None = None,
+    interpret: bool | None = None,
+):
+    """RMSNorm + RoPE on K, V passed through, for all layers in one kernel.
+
+    ``kn = k * rsqrt(mean(k*k) + eps[l]) * k_norm_weight[l]``; ``neox``:
+    ``k_out[i] = kn[i]*c[i] - kn[i+R/2]*s[i]``, ``k_out[i+R/2] = kn[i+R/2]*c[i] + kn[i]*s[i]``
+    for ``i < R/2`` (``gptj``: the same on pairs ``(2i, 2i+1)``), ``k_out[j] = kn[j]`` for
+    ``j >= R``, with ``c, s`` the cos/sin halves of ``cos_sin_cache[positions[t]]``;
+    ``v_out = v``. fp32 math, one rounding to ``kv``'s dtype; V bit-exact. A position
+    outside ``[0, max_pos)`` gives an all-NaN K row and is never read.
+
+    Args:
+      kv: bf16/fp16/fp32[total_ctx, n_layers, 2*kv_size], per token and layer all K
+        heads then all V heads; ``kv_size = num_kv_heads * head_dim``.
+      k_norm_weight: float[n_layers, head_dim].
+      eps: fp32[n_layers].
+      cos_sin_cache: fp32[max_pos, rotary_dim], row p = cos values then sin values.
+      positions: int32/int64[total_ctx]. With x64 off jax holds int64 as int32: a host
+        (NumPy) int64 array is narrowed here with out-of-range values kept out of range;
+        a jax array is already int32.
+      num_kv_heads, head_dim, rotary_dim, rope_style: static configuration.
+      k_out, v_out: optional dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim];
+        aliased to the outputs, so under ``jax.jit`` with these buffers donated the
+        results are written in place (without donation XLA copies them first).
+      block_tokens, block_heads, num_warps: tile overrides (powers of two) for tuning.
+      interpret: run in Pallas interpret mode; None means "when ``kv`` is on the CPU".
+
+    Returns:
+      ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim].
+
+    Usable inside ``jax.jit`` (the configuration is static) and under ``jax.vmap``.
+    """
+    call = validate_call(
+        kv, k_norm_weight, eps, cos_sin_cache, positions,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
+        rope_style=rope_style, k_out=k_out, v_out=v_out,
+    )
+    config = call.config
+    tile = _tile(call.total_ctx, call.n_layers, num_kv_heads, head_dim,
+                 block_tokens, block_heads, num_warps)
+    if call.total_ctx == 0:
+        empty = jnp.empty(call.output_shape, kv.dtype)
+        return (empty if k_out is None else k_out), (empty if v_out is None else v_out)
+    positions = _narrow_host_indices(positions, call.max_position)
+    k, v = _launch(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, None, k_out, v_out, None, None,
+        config=config, block_tokens=tile[0], block_heads=tile[1], num_warps=tile[2],
+        interpret=_on_cpu(kv) if interpret is None else interpret,
+    )
+    return k, v
+
+
+def fused_kv_norm_rope_into_cache(
+    kv,
+    k_norm_weight,
+    eps,
+    cos_sin_cache,
+    positions,
+    cache_loc,
+    k_cache,
+    v_cache,
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    rope_style: str = "neox",
+    k_scale=None,
+    v_scale=None,
+    block_tokens: int | None = None,
+    block_heads: int | None = None,
+    num_warps: int | None = None,
+    interpret: bool | None = None,
+):
+    """:func:`fused_kv_norm_rope` written straight into slot ``cache_loc[t]`` of paged caches.
+
+    ``k_cache[l, cache_loc[t]] = k_out[l, t]``, ``v_cache[l, cache_loc[t]] = v_out[l, t]``
+    for every token whose slot is in ``[0, num_slots)``; other slots (negative ones
+    are padding) are skipped and every other cache entry keeps its value. A
+    float8_e4m3fn cache holds ``value / scale[l]`` saturated to +-448, rounded once
+    from fp32. Slots in range must be distinct (which token wins a shared slot is
+    unspecified).
+
+    Args (beyond :func:`fused_kv_norm_rope`'s):
+      cache_loc: int32/int64[total_ctx] (int64 as for ``positions``).
+      k_cache, v_cache: dtype-of-kv or float8_e4m3fn[n_layers, num_slots, num_kv_heads,
+        head_dim]; aliased to the outputs, so under ``jax.jit`` with the caches donated
+        they are updated in place.
+      k_scale, v_scale: fp32[n_layers], for (and only for) a float8_e4m3fn cache.
+
+    Returns:
+      ``(k_cache, v_cache)`` updated.
+    """
+    call = validate_cache_call(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
+        rope_style=rope_style, k_scale=k_scale, v_scale=v_scale,
+    )
+    tile = _tile(call.total_ctx, call.n_layers, num_kv_heads, head_dim,
+                 block_tokens, block_heads, num_warps)
+    if call.total_ctx == 0:
+        return k_cache, v_cache
+    positions = _narrow_host_indices(positions, call.max_position)
+    cache_loc = _narrow_host_indices(cache_loc, int(k_cache.shape[1]))
+    return _launch(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+        k_scale, v_scale,
+        config=call.config, block_tokens=tile[0], block_heads=tile[1], num_warps=tile[2],
+        interpret=_on_cpu(kv) if interpret is None else interpret,
+    )

@@ -1,0 +1,379 @@
+"""The Pallas kernel against the interop reference: interpret mode on the CPU, real sizes on a GPU.
+
+Every check draws fresh random inputs (interop.inputs.random_inputs), compares K under
+the tolerance table and V bit for bit. CPU cases stay small: Pallas interpret time
+grows steeply with array size.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fusedkv_jax import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
+from interop.arrays import numpy_dtype
+from interop.inputs import random_inputs
+from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
+from interop.spec import FusedKVConfig
+from interop.tolerance import assert_bit_exact, assert_close
+
+ON_GPU = jax.default_backend() == "gpu"
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def _static(config):
+    return dict(num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                rotary_dim=config.rotary_dim, rope_style=config.rope_style)
+
+
+def _inputs(config, *, n_layers, total_ctx, max_position=64, seed, **options):
+    return random_inputs(config, n_layers=n_layers, total_ctx=total_ctx,
+                         max_position=max_position, seed=seed, **options).arrays()
+
+
+def _assert_matches_reference(k, v, host_inputs, config):
+    k_expected, v_expected = fused_kv_norm_rope_reference(*host_inputs, **_static(config))
+    assert_close(k, k_expected)
+    assert_bit_exact(v, v_expected)
+
+
+def _poisoned(shape, dtype):
+    return jnp.full(shape, jnp.nan, dtype)
+
+
+CASES = [  # config, n_layers, total_ctx, kv dtype, position dtype, weight dtype
+    (FusedKVConfig(2, 128, 128, "neox"), 2, 16, "bfloat16", "int32", "float32"),
+    (FusedKVConfig(2, 96, 64, "gptj"), 1, 5, "float16", "int32", "float32"),
+    (FusedKVConfig(1, 192, 192, "neox"), 2, 3, "float32", "int64", "float32"),
+    (FusedKVConfig(3, 64, 32, "gptj"), 3, 1, "bfloat16", "int32", "bfloat16"),
+    (FusedKVConfig(2, 8, 6, "neox"), 2, 7, "float32", "int64", "float64"),
+]
+
+
+@pytest.mark.parametrize("config, n_layers, total_ctx, dtype, position_dtype, weight_dtype", CASES,
+                         ids=lambda value: str(value) if not isinstance(value, FusedKVConfig) else
+                         f"h{value.num_kv_heads}d{value.head_dim}r{value.rotary_dim}{value.rope_style}")
+def test_matches_reference(config, n_layers, total_ctx, dtype, position_dtype, weight_dtype):
+    host = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, dtype=dtype,
+                   position_dtype=position_dtype, weight_dtype=weight_dtype, seed=total_ctx)
+    k, v = fused_kv_norm_rope(*host, **_static(config))
+    assert k.shape == v.shape == config.output_shape(n_layers, total_ctx)
+    assert k.dtype == v.dtype == host[0].dtype
+    _assert_matches_reference(k, v, host, config)
+
+
+def test_out_of_range_positions_give_nan_rows_and_keep_v():
+    config = FusedKVConfig(2, 16, 16, "neox")
+    kv, weight, eps, cos_sin, _ = _inputs(config, n_layers=2, total_ctx=5, seed=11)
+    # 2**32 + 3 wraps to 3 (in range) if narrowed to int32 without care.
+    positions = np.array([-1, 64, 2 ** 32 + 3, 63, 2 ** 31 + 5], np.int64)
+    k, v = fused_kv_norm_rope(kv, weight, eps, cos_sin, positions, **_static(config))
+    host = (kv, weight, eps, cos_sin, positions)
+    _assert_matches_reference(k, v, host, config)
+    rows_nan = np.isnan(np.asarray(k, np.float32)).all(axis=(0, 2, 3))
+    assert rows_nan.tolist() == [True, True, True, False, True]
+
+
+def test_given_outputs_are_filled_completely():
+    config = FusedKVConfig(3, 32, 32, "gptj")
+    host = _inputs(config, n_layers=2, total_ctx=9, seed=12)
+    shape = config.output_shape(2, 9)
+    k, v = fused_kv_norm_rope(*host, **_static(config), k_out=_poisoned(shape, jnp.bfloat16),
+                              v_out=_poisoned(shape, jnp.bfloat16))
+    _assert_matches_reference(k, v, host, config)
+
+
+def test_inside_jit_with_donated_outputs_reuses_their_buffers():
+    config = FusedKVConfig(2, 16, 8, "neox")
+    host = _inputs(config, n_layers=2, total_ctx=6, seed=13)
+    shape = config.output_shape(2, 6)
+    k_out, v_out = _poisoned(shape, jnp.bfloat16), _poisoned(shape, jnp.bfloat16)
+    pointers = k_out.unsafe_buffer_pointer(), v_out.unsafe_buffer_pointer()
+    step = jax.jit(functools.partial(fused_kv_norm_rope, **_static(config)),
+                   donate_argnames=("k_out", "v_out"))
+    k, v = step(*(jax.device_put(a) for a in host), k_out=k_out, v_out=v_out)
+    assert k_out.is_deleted() and v_out.is_deleted()
+    assert (k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()) == pointers
+    _assert_matches_reference(k, v, host, config)
+
+
+def test_vmap_over_kv_and_positions_matches_each_member():
+    config = FusedKVConfig(2, 16, 16, "gptj")
+    members = [_inputs(config, n_layers=2, total_ctx=4, seed=14 + i) for i in range(2)]
+    _, weight, eps, cos_sin, _ = members[0]
+    kv = jnp.stack([m[0] for m in members])
+    positions = jnp.stack([m[4] for m in members])
+    batched = jax.vmap(lambda kv, positions: fused_kv_norm_rope(
+        kv, weight, eps, cos_sin, positions, **_static(config)))
+    k, v = batched(kv, positions)
+    for i, (member_kv, _, _, _, member_positions) in enumerate(members):
+        _assert_matches_reference(k[i], v[i], (member_kv, weight, eps, cos_sin, member_positions), config)
+
+
+def test_empty_context_gives_empty_outputs():
+    config = FusedKVConfig(2, 16, 16, "neox")
+    host = _inputs(config, n_layers=3, total_ctx=0, seed=15)
+    k, v = fused_kv_norm_rope(*host, **_static(config))
+    assert k.shape == v.shape == (3, 0, 2, 16) and k.dtype == jnp.bfloat16
+
+
+def test_tile_overrides_cover_ragged_heads_and_tokens():
+    config = FusedKVConfig(3, 24, 16, "neox")
+    host = _inputs(config, n_layers=2, total_ctx=5, seed=16)
+    k, v = fused_kv_norm_rope(*host, **_static(config), block_tokens=2, block_heads=2, num_warps=1)
+    _assert_matches_reference(k, v, host, config)
+
+
+SMALL = FusedKVConfig(2, 8, 8, "neox")
+
+
+def _bad_call_args(**overrides):
+    kv, weight, eps, cos_sin, positions = _inputs(SMALL, n_layers=2, total_ctx=3, seed=17)
+    args = dict(kv=kv, k_norm_weight=weight, eps=eps, cos_sin_cache=cos_sin, positions=positions)
+    args.update(overrides)
+    return args
+
+
+BAD_CALLS = [
+    (dict(kv=np.zeros((3, 32), np.float32)),
+     "Invalid stacked fused KV projection shape: got (3, 32), expected 3D [total_ctx, n_layers, kv_size*2]."),
+    (dict(kv=np.zeros((3, 2, 30), np.float32)),
+     "Invalid fused KV projection shape: got (3, 2, 30), expected trailing dim 32."),
+    (dict(rotary_dim=7), "Invalid fused KV rotary/head dim pair: rotary_dim=7, head_dim=8."),
+    (dict(k_norm_weight=np.ones((2, 4), np.float32)),
+     "Invalid stacked k_norm_weight shape for fused KV materialization: got (2, 4), expected (2, 8)."),
+    (dict(eps=np.ones(3, np.float32)),
+     "Invalid stacked eps shape for fused KV materialization: got (3,), expected (2,)."),
+    (dict(k_out=np.zeros((2, 3, 2, 4), np.float32)),
+     "Invalid k_out shape for fused KV materialization: got (2, 3, 2, 4), expected (2, 3, 2, 8)."),
+    (dict(v_out=np.zeros((2, 3, 2, 8), np.float16)),
+     "Invalid v_out device/dtype for fused KV materialization: got device=cpu, dtype=float16, "
+     "expected device=cpu, dtype=bfloat16."),
+    (dict(positions=np.zeros(4, np.int32)),
+     "Invalid positions shape for fused KV materialization: got (4,), expected (3,)."),
+    (dict(block_tokens=3), "Invalid block_tokens for fused KV materialization: got 3, expected a power of two."),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_CALLS, ids=lambda v: v[:60] if isinstance(v, str) else "")
+def test_bad_input_raises_its_message(overrides, message):
+    static = dict(_static(SMALL), rotary_dim=overrides.pop("rotary_dim", SMALL.rotary_dim))
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        fused_kv_norm_rope(**_bad_call_args(**overrides), **static)
+
+
+def test_checks_run_before_the_empty_context_shortcut():
+    with pytest.raises(ValueError, match="^Invalid stacked eps shape"):
+        fused_kv_norm_rope(**_bad_call_args(kv=np.zeros((0, 2, 32), np.float32),
+                                            positions=np.zeros(0, np.int32),
+                                            eps=np.ones(1, np.float32)), **_static(SMALL))
+
+
+def test_rejected_call_under_jit_leaves_donated_outputs_untouched():
+    step = jax.jit(functools.partial(fused_kv_norm_rope, **_static(SMALL)),
+                   donate_argnames=("k_out", "v_out"))
+    args = _bad_call_args(eps=np.ones(3, np.float32))
+    poison = np.full(SMALL.output_shape(2, 3), np.nan, numpy_dtype("bfloat16"))
+    k_out, v_out = jax.device_put(poison), jax.device_put(poison)
+    with pytest.raises(ValueError, match="^Invalid stacked eps shape"):
+        step(**args, k_out=k_out, v_out=v_out)
+    assert not k_out.is_deleted() and not v_out.is_deleted()
+    assert_bit_exact(k_out, poison, name="k_out")
+    assert_bit_exact(v_out, poison, name="v_out")
+
+
+# The paged-cache entry point.
+
+def _cache_case(config, *, n_layers, total_ctx, num_slots, slots, k_dtype, v_dtype, seed):
+    host = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, seed=seed)
+    rng = np.random.default_rng(seed + 100)
+    shape = (n_layers, num_slots, config.num_kv_heads, config.head_dim)
+    # Poisoned caches: what is not written must come back bit for bit (NaN included).
+    k_cache = (8.0 * rng.standard_normal(shape)).astype(np.dtype(k_dtype))
+    v_cache = (8.0 * rng.standard_normal(shape)).astype(np.dtype(v_dtype))
+    k_cache[:, ::3] = np.nan
+    v_cache[:, 1::3] = np.nan
+    scales = {}
+    if np.dtype(k_dtype) == FP8:
+        scales["k_scale"] = rng.uniform(0.01, 0.5, n_layers).astype(np.float32)
+    if np.dtype(v_dtype) == FP8:
+        scales["v_scale"] = rng.uniform(0.01, 0.5, n_layers).astype(np.float32)
+    return host, np.asarray(slots), k_cache, v_cache, scales
+
+
+def _assert_cache_matches_reference(k_cache, v_cache, host, slots, k_before, v_before, scales, config):
+    k_expected, v_expected = fused_kv_norm_rope_into_cache_reference(
+        *host, slots, k_before, v_before, **_static(config), **scales)
+    assert_close(k_cache, k_expected, name="k_cache")
+    if "v_scale" in scales:
+        assert_close(v_cache, v_expected, name="v_cache")
+    else:
+        assert_bit_exact(v_cache, v_expected, name="v_cache")
+    written = np.zeros(k_before.shape[1], bool)
+    written[[s for s in slots.tolist() if 0 <= s < k_before.shape[1]]] = True
+    assert_bit_exact(np.asarray(k_cache)[:, ~written], k_before[:, ~written], name="k_cache untouched")
+    assert_bit_exact(np.asarray(v_cache)[:, ~written], v_before[:, ~written], name="v_cache untouched")
+
+
+CACHE_CASES = [  # config, n_layers, slots (num_slots 10), k cache dtype, v cache dtype
+    (FusedKVConfig(2, 32, 32, "neox"), 2, np.array([7, -1, 0, 12, 3], np.int32), "bfloat16", "bfloat16"),
+    (FusedKVConfig(2, 96, 32, "gptj"), 1, np.array([9, 2, -5], np.int64), "bfloat16", "bfloat16"),
+    (FusedKVConfig(2, 16, 16, "neox"), 2, np.array([1, 4, -1, 8, 0, 2 ** 32 + 2], np.int64), FP8, FP8),
+    (FusedKVConfig(1, 16, 8, "gptj"), 2, np.array([5], np.int32), FP8, "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("config, n_layers, slots, k_dtype, v_dtype", CACHE_CASES,
+                         ids=["padding", "hd96-int64", "fp8-both", "fp8-k-one-token"])
+def test_cache_writes_slots_in_range_and_leaves_the_rest(config, n_layers, slots, k_dtype, v_dtype):
+    host, slots, k_cache, v_cache, scales = _cache_case(
+        config, n_layers=n_layers, total_ctx=len(slots), num_slots=10, slots=slots,
+        k_dtype=numpy_dtype("bfloat16") if k_dtype == "bfloat16" else k_dtype,
+        v_dtype=numpy_dtype("bfloat16") if v_dtype == "bfloat16" else v_dtype, seed=len(slots))
+    k, v = fused_kv_norm_rope_into_cache(*host, slots, k_cache, v_cache, **_static(config), **scales)
+    assert k.dtype == k_cache.dtype and v.dtype == v_cache.dtype
+    _assert_cache_matches_reference(k, v, host, slots, k_cache, v_cache, scales, config)
+
+
+def test_fp8_cache_saturates_at_448():
+    config = FusedKVConfig(2, 16, 16, "neox")
+    host, slots, k_cache, v_cache, _ = _cache_case(
+        config, n_layers=1, total_ctx=3, num_slots=4, slots=[2, 0, 3], k_dtype=FP8, v_dtype=FP8, seed=21)
+    scales = dict(k_scale=np.array([1e-3], np.float32), v_scale=np.array([1e-3], np.float32))
+    k, v = fused_kv_norm_rope_into_cache(*host, slots, k_cache, v_cache, **_static(config), **scales)
+    _assert_cache_matches_reference(k, v, host, slots, k_cache, v_cache, scales, config)
+    assert np.abs(np.asarray(k, np.float32)[:, [0, 2, 3]]).max() == 448.0
+
+
+def test_cache_under_jit_with_donated_caches_updates_in_place():
+    config = FusedKVConfig(2, 16, 16, "gptj")
+    host, slots, k_cache, v_cache, _ = _cache_case(
+        config, n_layers=2, total_ctx=4, num_slots=6, slots=[5, -1, 0, 2],
+        k_dtype=numpy_dtype("bfloat16"), v_dtype=numpy_dtype("bfloat16"), seed=22)
+    k_device, v_device = jax.device_put(k_cache), jax.device_put(v_cache)
+    pointers = k_device.unsafe_buffer_pointer(), v_device.unsafe_buffer_pointer()
+    step = jax.jit(functools.partial(fused_kv_norm_rope_into_cache, **_static(config)),
+                   donate_argnums=(6, 7))
+    k, v = step(*(jax.device_put(a) for a in host), jax.device_put(slots), k_device, v_device)
+    assert k_device.is_deleted() and v_device.is_deleted()
+    assert (k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()) == pointers
+    _assert_cache_matches_reference(k, v, host, slots, k_cache, v_cache, {}, config)
+
+
+BAD_CACHE_CALLS = [
+    (dict(cache_loc=np.zeros(4, np.int32)),
+     "Invalid cache_loc shape for fused KV materialization: got (4,), expected (3,)."),
+    (dict(v_cache=np.zeros((2, 5, 2, 8), numpy_dtype("bfloat16"))),
+     "Invalid v_cache shape for fused KV materialization: got (2, 5, 2, 8), expected the shape of "
+     "k_cache (2, 6, 2, 8)."),
+    (dict(k_cache=np.zeros((2, 6, 2, 8), FP8)),
+     "Invalid k_scale for fused KV materialization: got None, expected float32(2,) for a "
+     "float8_e4m3fn cache."),
+    (dict(eps=np.ones(1, np.float32)),
+     "Invalid stacked eps shape for fused KV materialization: got (1,), expected (2,)."),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_CACHE_CALLS, ids=lambda v: v[:60] if isinstance(v, str) else "")
+def test_bad_cache_input_raises_its_message(overrides, message):
+    args = _bad_call_args()
+    cache = np.zeros((2, 6, 2, 8), numpy_dtype("bfloat16"))
+    args.update(cache_loc=np.array([0, 1, 2], np.int32), k_cache=cache, v_cache=cache)
+    args.update(overrides)
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        fused_kv_norm_rope_into_cache(**args, **_static(SMALL))
+
+
+def test_empty_context_returns_the_caches_unchanged():
+    cache = np.arange(2 * 4 * 2 * 8, dtype=np.float32).reshape(2, 4, 2, 8).astype(numpy_dtype("bfloat16"))
+    args = _bad_call_args(kv=np.zeros((0, 2, 32), numpy_dtype("bfloat16")), positions=np.zeros(0, np.int32))
+    k, v = fused_kv_norm_rope_into_cache(**args, cache_loc=np.zeros(0, np.int32), k_cache=cache,
+                                         v_cache=cache, **_static(SMALL))
+    assert_bit_exact(k, cache)
+    assert_bit_exact(v, cache)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU tests below compile the kernel for real")
+def test_both_entry_points_lower_to_triton_for_a_gpu():
+    # Pallas lowers to Triton IR in Python, so a machine without a GPU still catches a
+    # construct the Triton lowering rejects (shapes, primitives, fp8 casts, vmap).
+    config = FusedKVConfig(8, 96, 64, "gptj")
+    kv = jax.ShapeDtypeStruct((33, 5, 2 * config.kv_size), jnp.bfloat16)
+    small = (jax.ShapeDtypeStruct((5, 96), jnp.float32), jax.ShapeDtypeStruct((5,), jnp.float32),
+             jax.ShapeDtypeStruct((100, 64), jnp.float32), jax.ShapeDtypeStruct((33,), jnp.int32))
+    cache = jax.ShapeDtypeStruct((5, 50, 8, 96), jnp.float8_e4m3fn)
+    scale = jax.ShapeDtypeStruct((5,), jnp.float32)
+    static = dict(_static(config), interpret=False)
+    calls = [
+        (functools.partial(fused_kv_norm_rope, **static), (kv, *small)),
+        (jax.vmap(functools.partial(fused_kv_norm_rope, **static), in_axes=(0, None, None, None, None)),
+         (jax.ShapeDtypeStruct((2, *kv.shape), kv.dtype), *small)),
+        (lambda *a: fused_kv_norm_rope_into_cache(*a[:8], **static, k_scale=a[8], v_scale=a[9]),
+         (kv, *small, small[3], cache, cache, scale, scale)),
+    ]
+    for call, args in calls:
+        text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "xla.gpu.triton" in text or "triton_kernel_call" in text
+
+
+# On a GPU: real sizes, compiled by Triton.
+
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU (jax.default_backend() == 'gpu')")
+DRAFT = FusedKVConfig(8, 128, 128, "neox")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("config, total_ctx, dtype", [
+    (DRAFT, 16, "bfloat16"), (DRAFT, 4096, "bfloat16"), (DRAFT, 4099, "float16"),
+    (FusedKVConfig(8, 96, 64, "gptj"), 1000, "bfloat16"), (FusedKVConfig(4, 192, 128, "neox"), 777, "float32"),
+])
+def test_gpu_matches_reference_into_poisoned_donated_outputs(config, total_ctx, dtype):
+    host = _inputs(config, n_layers=5, total_ctx=total_ctx, max_position=32768, dtype=dtype, seed=total_ctx)
+    shape = config.output_shape(5, total_ctx)
+    k_out, v_out = _poisoned(shape, jnp.dtype(dtype)), _poisoned(shape, jnp.dtype(dtype))
+    pointer = k_out.unsafe_buffer_pointer()
+    step = jax.jit(functools.partial(fused_kv_norm_rope, **_static(config)),
+                   donate_argnames=("k_out", "v_out"))
+    k, v = step(*(jax.device_put(a) for a in host), k_out=k_out, v_out=v_out)
+    assert k.unsafe_buffer_pointer() == pointer
+    _assert_matches_reference(k, v, host, config)
+    k_fresh, v_fresh = fused_kv_norm_rope(*(jax.device_put(a) for a in host), **_static(config))
+    _assert_matches_reference(k_fresh, v_fresh, host, config)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", FP8])
+def test_gpu_cache_into_donated_paged_cache(cache_dtype):
+    total_ctx, num_slots = 4096, 6000
+    slots = np.random.default_rng(5).permutation(num_slots)[:total_ctx].astype(np.int32)
+    slots[::7] = -1
+    dtype = numpy_dtype("bfloat16") if cache_dtype == "bfloat16" else cache_dtype
+    host, slots, k_cache, v_cache, scales = _cache_case(
+        DRAFT, n_layers=5, total_ctx=total_ctx, num_slots=num_slots, slots=slots,
+        k_dtype=dtype, v_dtype=dtype, seed=23)
+    k_device, v_device = jax.device_put(k_cache), jax.device_put(v_cache)
+    step = jax.jit(functools.partial(fused_kv_norm_rope_into_cache, **_static(DRAFT)),
+                   donate_argnums=(6, 7))
+    k, v = step(*(jax.device_put(a) for a in host), jax.device_put(slots), k_device, v_device,
+                **{name: jax.device_put(s) for name, s in scales.items()})
+    assert k_device.is_deleted()
+    _assert_cache_matches_reference(k, v, host, slots, k_cache, v_cache, scales, DRAFT)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("block_tokens, block_heads, num_warps", [(1, 8, 1), (4, 4, 4), (16, 8, 8)])
+def test_gpu_tile_overrides_agree(block_tokens, block_heads, num_warps):
+    host = _inputs(DRAFT, n_layers=5, total_ctx=1023, max_position=32768, seed=24)
+    k, v = fused_kv_norm_rope(*(jax.device_put(a) for a in host), **_static(DRAFT),
+                              block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps)
+    _assert_matches_reference(k, v, host, DRAFT)
