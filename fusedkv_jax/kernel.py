@@ -227,10 +227,12 @@ def _launch(kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dest, v_d
 
 
 def _on_cpu(kv) -> bool:
-    """Whether ``kv`` lives on the CPU; a jit tracer has no device, so the default backend decides."""
-    if isinstance(kv, jax.core.Tracer) or not isinstance(kv, jax.Array):
+    """Whether ``kv`` lives on the CPU; NumPy input and jit tracers have no device of their
+    own, so the default backend decides."""
+    try:
+        return all(device.platform == "cpu" for device in kv.devices())
+    except (AttributeError, jax.errors.ConcretizationTypeError):
         return jax.default_backend() == "cpu"
-    return all(device.platform == "cpu" for device in kv.devices())
 
 
 def _narrow_host_indices(indices, size: int):
