@@ -1,1 +1,5 @@
 """fusedkv for PyTorch: the Triton kernel, its torch.library registration, the materializer."""
+
+from fusedkv_torch.kernel import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
+
+__all__ = ["fused_kv_norm_rope", "fused_kv_norm_rope_into_cache"]

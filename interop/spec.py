@@ -61,6 +61,10 @@ def dtype_name(dtype) -> str:
 
 def device_name(array) -> str | None:
     """``'cpu'`` or ``'cuda:0'`` from the array's DLPack device; None where unknown (jit tracers)."""
+    device = getattr(array, "device", None)
+    if type(device).__module__ == "torch" and type(device).__name__ == "device":
+        # torch.compile cannot trace __dlpack_device__ (it returns an enum), but reads torch.device.
+        return "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
     dlpack_device = getattr(array, "__dlpack_device__", None)
     if dlpack_device is None:
         return None

@@ -1,0 +1,398 @@
+"""Fused K/V materialization for every draft layer in one Triton launch.
+
+For token t, layer l and KV head h, with all arithmetic in fp32 and one rounding at the end::
+
+    k      = kv[t, l, h*D:(h+1)*D]
+    kn     = k * rsqrt(mean(k*k) + eps[l]) * k_norm_weight[l]
+    k_out[l, t, h] = rope(kn, cos_sin_cache[positions[t]])     (first rotary_dim dims; the rest as kn)
+    v_out[l, t, h] = kv[t, l, kv_size + h*D : kv_size + (h+1)*D]   (bit-exact)
+
+The kernel reads ``kv`` once and writes each output once; everything else it touches
+(cos/sin rows, weights) is a few KB that stays in L2. It is bandwidth-bound, so each
+program moves a 2-D tile of ``BLOCK_T`` tokens by ``head_dim`` per head with 16-byte
+vector accesses, and the launcher sizes the tiles from ``total_ctx``. The grid is one
+axis of (token block, layer, head group) with the head group varying fastest: adjacent
+programs then read adjacent bytes of ``kv``, and one axis has room for the
+billions of programs a long context with small tiles needs (the other axes stop at 65535).
+
+The same kernel writes into a paged KV cache (``fused_kv_norm_rope_into_cache``): rows
+are then ``cache_loc[t]`` instead of ``t`` and an fp8 cache is quantized on the way.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from interop.reference import FP8_E4M3_MAX
+from interop.spec import FusedKVConfig, validate_cache_call, validate_call
+
+_FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
+
+
+@triton.jit
+def _load_rotary_halves(row_ptrs, stride, rows_mask, ROWS: tl.constexpr, PAIR_BLOCK: tl.constexpr,
+                        ROTARY_DIM: tl.constexpr, GPTJ: tl.constexpr):
+    """The two members of every rotated pair as fp32 ``[ROWS, PAIR_BLOCK]`` tiles."""
+    if GPTJ:
+        # Pairs are adjacent: one contiguous load, then a register split of [.., pairs, 2].
+        dims = tl.arange(0, 2 * PAIR_BLOCK)
+        mask = rows_mask[:, None] & (dims < ROTARY_DIM)[None, :]
+        both = tl.load(row_ptrs[:, None] + dims[None, :] * stride, mask=mask, other=0.0)
+        first, second = tl.split(tl.reshape(both.to(tl.float32), [ROWS, PAIR_BLOCK, 2]))
+    else:
+        pairs = tl.arange(0, PAIR_BLOCK)
+        mask = rows_mask[:, None] & (pairs < ROTARY_DIM // 2)[None, :]
+        first = tl.load(row_ptrs[:, None] + pairs[None, :] * stride, mask=mask, other=0.0)
+        second = tl.load(row_ptrs[:, None] + (pairs + ROTARY_DIM // 2)[None, :] * stride,
+                         mask=mask, other=0.0)
+        first, second = first.to(tl.float32), second.to(tl.float32)
+    return first, second
+
+
+@triton.jit
+def _store_rotary_halves(row_ptrs, stride, first, second, rows_mask, ROWS: tl.constexpr,
+                         PAIR_BLOCK: tl.constexpr, ROTARY_DIM: tl.constexpr, GPTJ: tl.constexpr):
+    if GPTJ:
+        dims = tl.arange(0, 2 * PAIR_BLOCK)
+        mask = rows_mask[:, None] & (dims < ROTARY_DIM)[None, :]
+        both = tl.reshape(tl.join(first, second), [ROWS, 2 * PAIR_BLOCK])
+        tl.store(row_ptrs[:, None] + dims[None, :] * stride, both, mask=mask)
+    else:
+        pairs = tl.arange(0, PAIR_BLOCK)
+        mask = rows_mask[:, None] & (pairs < ROTARY_DIM // 2)[None, :]
+        tl.store(row_ptrs[:, None] + pairs[None, :] * stride, first, mask=mask)
+        tl.store(row_ptrs[:, None] + (pairs + ROTARY_DIM // 2)[None, :] * stride, second, mask=mask)
+
+
+@triton.jit
+def _to_destination(values, scale, dtype, QUANTIZE: tl.constexpr):
+    """fp32 values in the destination dtype; an fp8 cache holds ``values / scale`` saturated."""
+    if QUANTIZE:
+        values = tl.div_rn(values, scale)
+        # Comparisons rather than min/max, which would turn the NaN of a bad position into 448.
+        values = tl.where(values > _FP8_MAX, _FP8_MAX, tl.where(values < -_FP8_MAX, -_FP8_MAX, values))
+    return values.to(dtype)
+
+
+@triton.jit(do_not_specialize=["total_ctx", "max_position", "num_slots"])
+def _fused_kv_norm_rope_kernel(
+    kv_ptr, k_norm_weight_ptr, eps_ptr, cos_sin_ptr, positions_ptr, slots_ptr,
+    k_dst_ptr, v_dst_ptr, k_scale_ptr, v_scale_ptr,
+    total_ctx, n_layers, max_position, num_slots,
+    kv_stride_t, kv_stride_l, kv_stride_d,
+    weight_stride_l, weight_stride_d, eps_stride, cos_sin_stride_p, cos_sin_stride_d,
+    positions_stride, slots_stride, k_scale_stride, v_scale_stride,
+    k_stride_l, k_stride_row, k_stride_h, k_stride_d,
+    v_stride_l, v_stride_row, v_stride_h, v_stride_d,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, GPTJ: tl.constexpr,
+    TO_SLOTS: tl.constexpr, QUANTIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+    PAIR_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, HEAD_BLOCK: tl.constexpr,
+):
+    # int64 from the start: offsets into kv or a cache pass 2**31 elements in long contexts.
+    pid = tl.program_id(0).to(tl.int64)
+    head_groups: tl.constexpr = NUM_HEADS // HEADS_PER_PROGRAM
+    head_group = pid % head_groups
+    layer = (pid // head_groups) % n_layers
+    tokens = (pid // (head_groups * n_layers)) * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_context = tokens < total_ctx
+
+    if TO_SLOTS:
+        rows = tl.load(slots_ptr + tokens * slots_stride, mask=in_context, other=-1).to(tl.int64)
+        written = in_context & (rows >= 0) & (rows < num_slots)
+    else:
+        rows = tokens
+        written = in_context
+
+    positions = tl.load(positions_ptr + tokens * positions_stride, mask=written, other=0).to(tl.int64)
+    rotatable = (positions >= 0) & (positions < max_position)
+    # Masked, so a bad position is never read; its row gets NaN below instead.
+    cos_sin_rows = cos_sin_ptr + positions * cos_sin_stride_p
+    # The cos and sin halves of a row sit like the two halves of a neox rotation.
+    cos, sin = _load_rotary_halves(cos_sin_rows, cos_sin_stride_d, written & rotatable,
+                                   BLOCK_T, PAIR_BLOCK, ROTARY_DIM, False)
+    weight_row = k_norm_weight_ptr + layer * weight_stride_l + tl.zeros([1], tl.int64)
+    weight_first, weight_second = _load_rotary_halves(weight_row, weight_stride_d, tl.full([1], 1, tl.int1),
+                                                      1, PAIR_BLOCK, ROTARY_DIM, GPTJ)
+    if TAIL_BLOCK > 0:
+        tail_dims = ROTARY_DIM + tl.arange(0, TAIL_BLOCK)
+        tail_mask = written[:, None] & (tail_dims < HEAD_DIM)[None, :]
+        weight_tail = tl.load(k_norm_weight_ptr + layer * weight_stride_l + tail_dims * weight_stride_d,
+                              mask=tail_dims < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
+    eps = tl.load(eps_ptr + layer * eps_stride)
+    if QUANTIZE:
+        k_scale = tl.load(k_scale_ptr + layer * k_scale_stride)
+        v_scale = tl.load(v_scale_ptr + layer * v_scale_stride)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+    head_dims = tl.arange(0, HEAD_BLOCK)
+    head_mask = written[:, None] & (head_dims < HEAD_DIM)[None, :]
+    kv_rows = kv_ptr + tokens * kv_stride_t + layer * kv_stride_l
+
+    for head_in_group in tl.static_range(HEADS_PER_PROGRAM):
+        head = head_group * HEADS_PER_PROGRAM + head_in_group
+        k_src = kv_rows + (head * HEAD_DIM) * kv_stride_d
+        first, second = _load_rotary_halves(k_src, kv_stride_d, written,
+                                            BLOCK_T, PAIR_BLOCK, ROTARY_DIM, GPTJ)
+        sum_squares = tl.sum(first * first, 1) + tl.sum(second * second, 1)
+        if TAIL_BLOCK > 0:
+            tail = tl.load(k_src[:, None] + tail_dims[None, :] * kv_stride_d,
+                           mask=tail_mask, other=0.0).to(tl.float32)
+            sum_squares += tl.sum(tail * tail, 1)
+        inv_rms = tl.math.rsqrt(tl.div_rn(sum_squares, HEAD_DIM) + eps)
+        inv_rms = tl.where(rotatable, inv_rms, float("nan"))[:, None]
+        first = first * inv_rms * weight_first
+        second = second * inv_rms * weight_second
+        rotated_first = first * cos - second * sin
+        rotated_second = second * cos + first * sin
+
+        k_dst = k_dst_ptr + layer * k_stride_l + rows * k_stride_row + head * k_stride_h
+        k_dtype = k_dst_ptr.dtype.element_ty
+        _store_rotary_halves(k_dst, k_stride_d,
+                             _to_destination(rotated_first, k_scale, k_dtype, QUANTIZE),
+                             _to_destination(rotated_second, k_scale, k_dtype, QUANTIZE),
+                             written, BLOCK_T, PAIR_BLOCK, ROTARY_DIM, GPTJ)
+        if TAIL_BLOCK > 0:
+            tl.store(k_dst[:, None] + tail_dims[None, :] * k_stride_d,
+                     _to_destination(tail * inv_rms * weight_tail, k_scale, k_dtype, QUANTIZE),
+                     mask=tail_mask)
+
+        v_src = kv_rows + ((NUM_HEADS + head) * HEAD_DIM) * kv_stride_d
+        v = tl.load(v_src[:, None] + head_dims[None, :] * kv_stride_d, mask=head_mask)
+        if QUANTIZE:
+            v = _to_destination(v.to(tl.float32), v_scale, v_dst_ptr.dtype.element_ty, QUANTIZE)
+        v_dst = v_dst_ptr + layer * v_stride_l + rows * v_stride_row + head * v_stride_h
+        tl.store(v_dst[:, None] + head_dims[None, :] * v_stride_d, v, mask=head_mask)
+
+
+def default_launch_shape(total_ctx: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """``(block_tokens, heads_per_program, num_warps)`` for a call of this size.
+
+    Decode-sized calls take small tiles so every SM gets programs; long contexts take
+    tiles of 32 tokens, enough bytes in flight per program to hide HBM latency.
+    """
+    block_tokens = min(32, triton.next_power_of_2(max(1, total_ctx // 64)))
+    tile_elements = block_tokens * triton.next_power_of_2(head_dim)
+    num_warps = max(1, min(8, tile_elements // 1024))
+    return block_tokens, 1, num_warps
+
+
+def launch(
+    kv: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    k_dst: torch.Tensor,
+    v_dst: torch.Tensor,
+    *,
+    config: FusedKVConfig,
+    cache_loc: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+    block_tokens: Optional[int] = None,
+    heads_per_program: Optional[int] = None,
+    num_warps: Optional[int] = None,
+) -> None:
+    """Launch the kernel on validated arguments already on ``kv``'s device; no checks, no sync.
+
+    ``k_dst``/``v_dst`` are ``[n_layers, rows, num_kv_heads, head_dim]``: the outputs
+    (row t for token t) or, with ``cache_loc``, the caches (row ``cache_loc[t]``).
+    ``block_tokens``, ``heads_per_program`` and ``num_warps`` override
+    :func:`default_launch_shape` (benchmark sweeps).
+    """
+    total_ctx, n_layers, _ = kv.shape
+    default_block, default_heads, default_warps = default_launch_shape(
+        total_ctx, config.num_kv_heads, config.head_dim)
+    block_tokens = block_tokens or default_block
+    heads_per_program = heads_per_program or default_heads
+    num_warps = num_warps or default_warps
+    if config.num_kv_heads % heads_per_program:
+        raise ValueError(f"Invalid heads_per_program for fused KV materialization: got "
+                         f"{heads_per_program}, expected a divisor of {config.num_kv_heads}.")
+    to_slots = cache_loc is not None
+    quantize = k_scale is not None
+    tail = config.head_dim - config.rotary_dim
+    grid = (triton.cdiv(total_ctx, block_tokens) * n_layers * (config.num_kv_heads // heads_per_program),)
+    _fused_kv_norm_rope_kernel[grid](
+        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc,
+        k_dst, v_dst, k_scale, v_scale,
+        total_ctx, n_layers, cos_sin_cache.shape[0], k_dst.shape[1],
+        *kv.stride(), *k_norm_weight.stride(), eps.stride(0), *cos_sin_cache.stride(),
+        positions.stride(0), cache_loc.stride(0) if to_slots else 0,
+        k_scale.stride(0) if quantize else 0, v_scale.stride(0) if quantize else 0,
+        *k_dst.stride(), *v_dst.stride(),
+        NUM_HEADS=config.num_kv_heads, HEAD_DIM=config.head_dim, ROTARY_DIM=config.rotary_dim,
+        GPTJ=config.rope_style == "gptj", TO_SLOTS=to_slots, QUANTIZE=quantize,
+        BLOCK_T=block_tokens, HEADS_PER_PROGRAM=heads_per_program,
+        PAIR_BLOCK=triton.next_power_of_2(config.rotary_dim // 2),
+        TAIL_BLOCK=triton.next_power_of_2(tail) if tail else 0,
+        HEAD_BLOCK=triton.next_power_of_2(config.head_dim),
+        num_warps=num_warps,
+    )
+
+
+# The registered ops: the kernel launch as torch.compile and CUDA graphs see it. A custom op
+# may not return an alias of an input, so they write into the given buffers and return nothing.
+@torch.library.custom_op("fusedkv::write_fused_kv_norm_rope", mutates_args=("k_out", "v_out"))
+def _write_fused_kv_norm_rope(
+    kv: torch.Tensor, k_norm_weight: torch.Tensor, eps: torch.Tensor, cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
+    num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str,
+) -> None:
+    launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
+           config=FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style))
+
+
+@_write_fused_kv_norm_rope.register_fake
+def _write_fused_kv_norm_rope_fake(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
+      num_kv_heads, head_dim, rotary_dim, rope_style):
+    return None
+
+
+@torch.library.custom_op("fusedkv::write_fused_kv_norm_rope_into_cache",
+                         mutates_args=("k_cache", "v_cache"))
+def _write_fused_kv_norm_rope_into_cache(
+    kv: torch.Tensor, k_norm_weight: torch.Tensor, eps: torch.Tensor, cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor, cache_loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str,
+    k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+) -> None:
+    launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_cache, v_cache,
+           config=FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style),
+           cache_loc=cache_loc, k_scale=k_scale, v_scale=v_scale)
+
+
+@_write_fused_kv_norm_rope_into_cache.register_fake
+def _write_fused_kv_norm_rope_into_cache_fake(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+      num_kv_heads, head_dim, rotary_dim, rope_style, k_scale, v_scale):
+    return None
+
+
+def _through_registered_op() -> bool:
+    # Eager calls launch directly: the custom-op dispatcher costs microseconds of host time
+    # per call. Traced calls must go through the op so the graph records the mutation.
+    return torch.compiler.is_compiling()
+
+
+def _check_positions_in_range(positions: torch.Tensor, max_position: int) -> None:
+    low, high = (int(value) for value in torch.aminmax(positions))  # the one host sync
+    if low < 0 or high >= max_position:
+        raise ValueError(
+            "Invalid positions for fused KV materialization: got values outside "
+            f"[0, {max_position}) (min {low}, max {high}), expected every position in "
+            f"[0, {max_position})."
+        )
+
+
+def fused_kv_norm_rope(
+    kv: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    rope_style: str = "neox",
+    k_out: Optional[torch.Tensor] = None,
+    v_out: Optional[torch.Tensor] = None,
+    check_positions: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm + RoPE on K, V passed through, for all layers (formula in the module docstring).
+
+    Args:
+      kv: bf16/fp16/fp32[total_ctx, n_layers, 2*kv_size], per token and layer all K heads
+        then all V heads; any strides (a slice of a GEMM workspace is read in place).
+      k_norm_weight: float[n_layers, head_dim].
+      eps: fp32[n_layers].
+      cos_sin_cache: fp32[max_pos, rotary_dim], row p = rotary_dim/2 cos values then sin values.
+      positions: int32/int64[total_ctx], any device (moved to kv's). A position outside
+        [0, max_pos) gives an all-NaN K row, unless ``check_positions`` raises for it.
+      k_out, v_out: optional dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim], any
+        strides (views into a bigger cache), written in place.
+      check_positions: raise ``ValueError`` for out-of-range positions; this syncs with
+        the device, so it is off by default and cannot be used under CUDA graph capture.
+
+    Returns:
+      ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim].
+    """
+    call = validate_call(
+        kv, k_norm_weight, eps, cos_sin_cache, positions,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
+        rope_style=rope_style, k_out=k_out, v_out=v_out,
+    )
+    positions = positions.to(kv.device, non_blocking=True)
+    if check_positions and call.total_ctx:
+        _check_positions_in_range(positions, call.max_position)
+    k_out = kv.new_empty(call.output_shape) if k_out is None else k_out
+    v_out = kv.new_empty(call.output_shape) if v_out is None else v_out
+    if call.total_ctx == 0:
+        return k_out, v_out
+    if _through_registered_op():
+        torch.ops.fusedkv.write_fused_kv_norm_rope(
+            kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
+            num_kv_heads, head_dim, rotary_dim, rope_style)
+    else:
+        launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, config=call.config)
+    return k_out, v_out
+
+
+def fused_kv_norm_rope_into_cache(
+    kv: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    cache_loc: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    rope_style: str = "neox",
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fused_kv_norm_rope` written straight into a paged KV cache, one launch.
+
+    ``k_cache[l, cache_loc[t]]`` and ``v_cache[l, cache_loc[t]]`` receive token t's K and V
+    for every layer l. Slots outside [0, num_slots) (negative ones are padding) are
+    skipped without a device sync.
+
+    Args (beyond :func:`fused_kv_norm_rope`'s):
+      cache_loc: int32/int64[total_ctx], any device (moved to kv's).
+      k_cache, v_cache: dtype-of-kv or float8_e4m3fn[n_layers, num_slots, num_kv_heads,
+        head_dim], any strides, written in place.
+      k_scale, v_scale: fp32[n_layers], only for a float8_e4m3fn cache, which then holds
+        ``value / scale`` saturated to +-448, rounded once from fp32.
+
+    Returns:
+      ``(k_cache, v_cache)``.
+    """
+    call = validate_cache_call(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
+        rope_style=rope_style, k_scale=k_scale, v_scale=v_scale,
+    )
+    if call.total_ctx == 0:
+        return k_cache, v_cache
+    positions = positions.to(kv.device, non_blocking=True)
+    cache_loc = cache_loc.to(kv.device, non_blocking=True)
+    if k_scale is not None:
+        k_scale, v_scale = k_scale.to(kv.device), v_scale.to(kv.device)
+    if _through_registered_op():
+        torch.ops.fusedkv.write_fused_kv_norm_rope_into_cache(
+            kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+            num_kv_heads, head_dim, rotary_dim, rope_style, k_scale, v_scale)
+    else:
+        launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_cache, v_cache,
+               config=call.config, cache_loc=cache_loc, k_scale=k_scale, v_scale=v_scale)
+    return k_cache, v_cache
