@@ -243,7 +243,7 @@ def _narrow_host_indices(indices, size: int):
     there (jax never holds int64 with x64 off) and pass unchanged.
     """
     if (isinstance(indices, np.ndarray) and indices.dtype == np.int64
-            and not jax.config.jax_enable_x64):
+            and jax.dtypes.canonicalize_dtype(np.int64) != np.int64):
         return np.clip(indices, -1, size).astype(np.int32)
     return indices
 

@@ -78,6 +78,17 @@ def test_out_of_range_positions_give_nan_rows_and_keep_v():
     assert rows_nan.tolist() == [True, True, True, False, True]
 
 
+def test_int64_positions_and_float64_weights_with_x64_enabled():
+    config = FusedKVConfig(2, 16, 12, "gptj")
+    host = _inputs(config, n_layers=2, total_ctx=4, position_dtype="int64", weight_dtype="float64", seed=18)
+    host = host[:4] + (np.array([3, -2, 2 ** 40, 60], np.int64),)
+    with jax.enable_x64(True):
+        device = [jax.device_put(a) for a in host]
+        assert device[4].dtype == jnp.int64
+        k, v = fused_kv_norm_rope(*device, **_static(config))
+    _assert_matches_reference(k, v, host, config)
+
+
 def test_given_outputs_are_filled_completely():
     config = FusedKVConfig(3, 32, 32, "gptj")
     host = _inputs(config, n_layers=2, total_ctx=9, seed=12)
@@ -155,13 +166,21 @@ BAD_CALLS = [
      "expected device=cpu, dtype=bfloat16."),
     (dict(positions=np.zeros(4, np.int32)),
      "Invalid positions shape for fused KV materialization: got (4,), expected (3,)."),
+    (dict(rope_style="llama"),
+     "Invalid rope_style for fused KV materialization: got 'llama', expected one of ('neox', 'gptj')."),
+    (dict(eps=np.ones(2, np.float16)),
+     "Invalid eps dtype for fused KV materialization: got float16, expected one of ('float32',)."),
+    (dict(cos_sin_cache=np.ones((64, 4), np.float32)),
+     "Invalid cos_sin_cache shape for fused KV materialization: got (64, 4), expected (max_pos, 8) "
+     "with max_pos > 0."),
     (dict(block_tokens=3), "Invalid block_tokens for fused KV materialization: got 3, expected a power of two."),
 ]
 
 
 @pytest.mark.parametrize("overrides, message", BAD_CALLS, ids=lambda v: v[:60] if isinstance(v, str) else "")
 def test_bad_input_raises_its_message(overrides, message):
-    static = dict(_static(SMALL), rotary_dim=overrides.pop("rotary_dim", SMALL.rotary_dim))
+    overrides, static = dict(overrides), _static(SMALL)
+    static.update({name: overrides.pop(name) for name in ("rotary_dim", "rope_style") if name in overrides})
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         fused_kv_norm_rope(**_bad_call_args(**overrides), **static)
 
