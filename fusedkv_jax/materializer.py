@@ -1,0 +1,185 @@
+"""Every draft layer's K/V from the context hidden states: one GEMM, then one launch of the op.
+
+``kv = ctx_hidden @ W^T`` with the K/V projection weights of all layers stacked, so
+the GEMM's output ``[total_ctx, n_layers * 2*kv_size]`` reshapes (a bitcast in XLA) to
+the op's ``kv: [total_ctx, n_layers, 2*kv_size]``; then :func:`fused_kv_norm_rope`
+(RMSNorm and RoPE on K, V passed through) returns the result, hands it to a per-layer
+callback, or :func:`fused_kv_norm_rope_into_cache` scatters it straight into a paged KV
+cache, updating the donated cache buffers in place.
+
+The materializer is a pytree (its arrays the leaves, its configuration static), so it
+can be passed into ``jax.jit`` like any array; each method is itself jitted, so an
+eager call is one dispatch. Host int64 positions and slots are narrowed to int32 as the
+kernel does (out-of-range values kept out of range) before they reach jit, which
+would wrap them. Nothing here reads a device value back to the host.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from fusedkv_jax.kernel import (
+    _narrow_host_indices,
+    fused_kv_norm_rope,
+    fused_kv_norm_rope_into_cache,
+)
+from interop.exchange import INT32_MAX
+from interop.materializer_spec import LayerKV, validate_layers, validate_materialize
+
+
+@jax.tree_util.register_pytree_node_class
+class FusedKVMaterializer:
+    """K and V of every draft layer: ``kv = ctx_hidden @ W^T``, then RMSNorm + RoPE on K.
+
+    ``W`` stacks the layers' ``kv_proj_weight`` (each ``[2*kv_size, hidden]``, K rows then
+    V rows) into ``[n_layers*2*kv_size, hidden]``, so that the GEMM's output reshapes to
+    ``kv: dtype[total_ctx, n_layers, 2*kv_size]`` for free; ``dtype`` is the weights'.
+
+    Args:
+      layers: one :class:`~interop.materializer_spec.LayerKV` per draft layer, holding
+        jax (or NumPy) arrays; validated by
+        :func:`~interop.materializer_spec.validate_layers` (the first layer that
+        differs from layer 0 is named).
+      cos_sin_cache: optional fp32[max_position, rotary_dim] replacing the table that
+        is otherwise built from the layers' ``rope.base``.
+    """
+
+    def __init__(self, layers: Sequence[LayerKV], *, cos_sin_cache: jax.Array | None = None):
+        layers = tuple(layers)
+        self.config = validate_layers(layers, cos_sin_cache)
+        self.kv_proj_weight = jnp.concatenate([jnp.asarray(layer.kv_proj_weight) for layer in layers])
+        self.k_norm_weight = jnp.stack(
+            [jnp.asarray(layer.k_norm_weight).astype(jnp.float32) for layer in layers])
+        self.eps = jnp.asarray([float(layer.eps) for layer in layers], dtype=jnp.float32)
+        self.cos_sin_cache = jnp.asarray(
+            layers[0].rope.cos_sin_cache() if cos_sin_cache is None else cos_sin_cache)
+
+    def tree_flatten(self):
+        return (self.kv_proj_weight, self.k_norm_weight, self.eps, self.cos_sin_cache), self.config
+
+    @classmethod
+    def tree_unflatten(cls, config, leaves):
+        materializer = object.__new__(cls)
+        materializer.config = config
+        (materializer.kv_proj_weight, materializer.k_norm_weight, materializer.eps,
+         materializer.cos_sin_cache) = leaves
+        return materializer
+
+    def project(self, ctx_hidden: jax.Array) -> jax.Array:
+        """``kv = ctx_hidden @ W^T``: dtype[total_ctx, n_layers, 2*kv_size].
+
+        ``ctx_hidden: float[total_ctx, hidden]``, cast once to the weights' dtype.
+        """
+        validate_materialize(ctx_hidden, self.config, None)
+        return _project(self, ctx_hidden)
+
+    def materialize(
+        self,
+        ctx_hidden: jax.Array,
+        positions: jax.Array,
+        *,
+        max_position: int | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """``fused_kv_norm_rope(ctx_hidden @ W^T, ...)`` for all layers.
+
+        Args:
+          ctx_hidden: float[total_ctx, hidden].
+          positions: int32/int64[total_ctx]; a position outside the cos/sin table
+            gives a NaN K row, never a read outside it.
+          max_position: optional bound on the positions, checked against the table's
+            rows on the host (the positions themselves are never read back).
+
+        Returns:
+          ``(k, v)``, each dtype[n_layers, total_ctx, num_kv_heads, head_dim].
+        """
+        validate_materialize(ctx_hidden, self.config, max_position)
+        return _materialize(self, ctx_hidden, _narrow_host_indices(positions, INT32_MAX))
+
+    def materialize_layers(
+        self,
+        ctx_hidden: jax.Array,
+        positions: jax.Array,
+        write_layer_kv: Callable[[int, jax.Array, jax.Array], None],
+        *,
+        max_position: int | None = None,
+    ) -> None:
+        """:meth:`materialize`, handing each layer's result to ``write_layer_kv(layer, k, v)``.
+
+        ``k, v: dtype[total_ctx, num_kv_heads, head_dim]``. Under ``jax.jit`` the callback
+        runs while tracing and receives tracers, so it must return what it makes (e.g.
+        into a list the traced function returns) rather than mutate buffers.
+        """
+        k, v = self.materialize(ctx_hidden, positions, max_position=max_position)
+        for layer in range(self.config.n_layers):
+            write_layer_kv(layer, k[layer], v[layer])
+
+    def materialize_into_cache(
+        self,
+        ctx_hidden: jax.Array,
+        positions: jax.Array,
+        cache_loc: jax.Array,
+        k_cache: jax.Array,
+        v_cache: jax.Array,
+        *,
+        k_scale: jax.Array | None = None,
+        v_scale: jax.Array | None = None,
+        max_position: int | None = None,
+    ) -> tuple[jax.Array, jax.Array]:
+        """:meth:`materialize` scattered into a paged KV cache in one launch, no temporary.
+
+        Token ``t``'s K and V of every layer go to slot ``cache_loc[t]``; slots outside
+        ``[0, num_slots)`` (negative ones: padding) keep their contents. ``k_cache`` and
+        ``v_cache`` are donated and updated in place: use the returned arrays (inside
+        your own ``jax.jit``, donate them there to keep the update in place).
+
+        Args (beyond :meth:`materialize`'s):
+          cache_loc: int32/int64[total_ctx].
+          k_cache, v_cache: dtype or float8_e4m3fn[n_layers, num_slots, num_kv_heads,
+            head_dim], one array each (per-layer lists are refused: stacking them would
+            copy the whole pool on every call).
+          k_scale, v_scale: fp32[n_layers], only for float8_e4m3fn caches (stored: value / scale).
+
+        Returns:
+          The updated ``(k_cache, v_cache)``.
+        """
+        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if isinstance(cache, (list, tuple)):
+                raise ValueError(
+                    f"Invalid {name} for fused KV materialization: got a list of per-layer "
+                    "caches, expected one [n_layers, num_slots, num_kv_heads, head_dim] array "
+                    "(stacking per-layer arrays would copy the whole pool on every call)."
+                )
+        validate_materialize(ctx_hidden, self.config, max_position)
+        return _materialize_into_cache(
+            self, ctx_hidden, _narrow_host_indices(positions, INT32_MAX),
+            _narrow_host_indices(cache_loc, INT32_MAX), k_cache, v_cache, k_scale, v_scale)
+
+
+@jax.jit
+def _project(materializer: FusedKVMaterializer, ctx_hidden: jax.Array) -> jax.Array:
+    weight = materializer.kv_proj_weight
+    kv = jnp.dot(ctx_hidden.astype(weight.dtype), weight.T)
+    return kv.reshape(materializer.config.kv_shape(ctx_hidden.shape[0]))
+
+
+def _op_arrays(materializer: FusedKVMaterializer, ctx_hidden: jax.Array, positions: jax.Array):
+    return (_project(materializer, ctx_hidden), materializer.k_norm_weight, materializer.eps,
+            materializer.cos_sin_cache, positions)
+
+
+@jax.jit
+def _materialize(materializer, ctx_hidden, positions):
+    return fused_kv_norm_rope(*_op_arrays(materializer, ctx_hidden, positions),
+                              **materializer.config.op_kwargs())
+
+
+@functools.partial(jax.jit, donate_argnames=("k_cache", "v_cache"))
+def _materialize_into_cache(materializer, ctx_hidden, positions, cache_loc, k_cache, v_cache,
+                            k_scale, v_scale):
+    return fused_kv_norm_rope_into_cache(
+        *_op_arrays(materializer, ctx_hidden, positions), cache_loc, k_cache, v_cache,
+        **materializer.config.op_kwargs(), k_scale=k_scale, v_scale=v_scale)

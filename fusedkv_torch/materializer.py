@@ -1,0 +1,238 @@
+"""Every draft layer's K/V from the context hidden states: one GEMM, then one launch of the op.
+
+``kv = ctx_hidden @ W^T`` with the K/V projection weights of all layers stacked, so
+the GEMM's output ``[total_ctx, n_layers * 2*kv_size]`` is, without a copy, the op's
+``kv: [total_ctx, n_layers, 2*kv_size]``; then :func:`fused_kv_norm_rope` (RMSNorm and
+RoPE on K, V passed through) returns the result, hands it to a per-layer callback, or
+:func:`fused_kv_norm_rope_into_cache` scatters it straight into a paged KV cache.
+
+The GEMM writes into a workspace owned by the materializer, grown when a call needs
+more and otherwise reused; :meth:`FusedKVMaterializer.reserve` sizes it ahead of
+CUDA-graph capture, after which no call allocates (but :meth:`materialize` without
+``k_out``/``v_out``, whose outputs are the caller's). Nothing here reads a device
+value back to the host.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from fusedkv_torch.kernel import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
+from interop.materializer_spec import LayerKV, validate_layers, validate_materialize
+from interop.spec import validate_cache_call, validate_call
+
+
+def _is_capturing(buffer: torch.Tensor) -> bool:
+    return buffer.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _grown(buffer: torch.Tensor, numel: int, what: str) -> torch.Tensor:
+    """``buffer`` if it holds ``numel`` elements, else a larger one (never while capturing)."""
+    if buffer.numel() >= numel:
+        return buffer
+    if _is_capturing(buffer):
+        raise RuntimeError(
+            f"The fused KV materializer's {what} holds {buffer.numel()} elements, the call needs "
+            f"{numel}: call reserve() with enough tokens before CUDA-graph capture."
+        )
+    return torch.empty(numel, dtype=buffer.dtype, device=buffer.device)
+
+
+def _layout(tensor: torch.Tensor):
+    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device,
+            tensor.untyped_storage().data_ptr())
+
+
+def _layer_stride(caches: list[torch.Tensor]) -> int | None:
+    """Elements from one layer's cache to the next, if all are views of one buffer with
+    one layout at a uniform stride that keeps them apart; else None."""
+    if not caches:
+        return None
+    first = caches[0]
+    stride = caches[1].storage_offset() - first.storage_offset() if len(caches) > 1 else first.numel()
+    span = 1 + sum((size - 1) * step for size, step in zip(first.shape, first.stride()))
+    uniform = all(_layout(cache) == _layout(first)
+                  and cache.storage_offset() == first.storage_offset() + index * stride
+                  for index, cache in enumerate(caches))
+    return stride if uniform and stride >= span else None
+
+
+def _stacked_cache(cache, name: str) -> torch.Tensor:
+    """A ``[n_layers, num_slots, H, D]`` tensor: the one given, or per-layer views stacked.
+
+    Per-layer caches are accepted when they are views of one buffer (a strided view
+    over them, no copy). Separately allocated ones are refused: stacking them would
+    copy the whole pool on every call; allocate the pool as one buffer, or take the
+    result through materialize_layers.
+    """
+    if isinstance(cache, torch.Tensor):
+        return cache
+    caches = list(cache)
+    stride = _layer_stride(caches)
+    if stride is None:
+        raise ValueError(
+            f"Invalid {name} for fused KV materialization: got per-layer caches that are not "
+            "views of one buffer at a uniform, non-overlapping layer stride, expected one "
+            "[n_layers, num_slots, num_kv_heads, head_dim] buffer or such views of one; "
+            "separately allocated caches can take the result through materialize_layers."
+        )
+    first = caches[0]
+    return first.as_strided((len(caches), *first.shape), (stride, *first.stride()),
+                            first.storage_offset())
+
+
+class FusedKVMaterializer:
+    """K and V of every draft layer: ``kv = ctx_hidden @ W^T``, then RMSNorm + RoPE on K.
+
+    ``W`` stacks the layers' ``kv_proj_weight`` (each ``[2*kv_size, hidden]``, K rows then
+    V rows) into ``[n_layers*2*kv_size, hidden]``, so that the GEMM's output reshapes to
+    ``kv: dtype[total_ctx, n_layers, 2*kv_size]`` for free; ``dtype`` is the weights'.
+
+    Args:
+      layers: one :class:`~interop.materializer_spec.LayerKV` per draft layer, holding
+        torch tensors on the device to run on; validated by
+        :func:`~interop.materializer_spec.validate_layers` (the first layer that
+        differs from layer 0 is named).
+      cos_sin_cache: optional fp32[max_position, rotary_dim] replacing the table that
+        is otherwise built from the layers' ``rope.base``.
+    """
+
+    def __init__(self, layers: Sequence[LayerKV], *, cos_sin_cache: torch.Tensor | None = None):
+        layers = tuple(layers)
+        self.config = validate_layers(layers, cos_sin_cache)
+        weight = torch.cat([layer.kv_proj_weight for layer in layers])
+        device = weight.device
+        self.kv_proj_weight = weight
+        self.k_norm_weight = torch.stack(
+            [layer.k_norm_weight.to(device=device, dtype=torch.float32) for layer in layers])
+        self.eps = torch.tensor([float(layer.eps) for layer in layers], dtype=torch.float32,
+                                device=device)
+        if cos_sin_cache is None:
+            cos_sin_cache = torch.from_numpy(layers[0].rope.cos_sin_cache())
+        self.cos_sin_cache = cos_sin_cache.to(device)
+        self._workspace = torch.empty(0, dtype=weight.dtype, device=device)
+        self._staging = torch.empty(0, dtype=weight.dtype, device=device)
+
+    def reserve(self, max_tokens: int, *, staging: bool = False) -> None:
+        """Size the GEMM workspace for ``max_tokens``; with ``staging``, also the output
+        buffers :meth:`materialize_layers` hands to its callback. Call before capture."""
+        numel = max_tokens * self.config.kv_width
+        self._workspace = _grown(self._workspace, numel, "GEMM workspace")
+        if staging:
+            self._staging = _grown(self._staging, numel, "staging buffer")
+
+    def project(self, ctx_hidden: torch.Tensor) -> torch.Tensor:
+        """``kv = ctx_hidden @ W^T``: dtype[total_ctx, n_layers, 2*kv_size], a view of the workspace.
+
+        ``ctx_hidden: float[total_ctx, hidden]``, cast once to the weights' dtype. The
+        view is overwritten by the next call on this materializer.
+        """
+        return self._project_into(self._workspace_view(ctx_hidden, None), ctx_hidden)
+
+    def materialize(
+        self,
+        ctx_hidden: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        max_position: int | None = None,
+        k_out: torch.Tensor | None = None,
+        v_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``fused_kv_norm_rope(ctx_hidden @ W^T, ...)`` for all layers.
+
+        Args:
+          ctx_hidden: float[total_ctx, hidden], on the weights' device.
+          positions: int32/int64[total_ctx]; a position outside the cos/sin table
+            gives a NaN K row, never a read outside it.
+          max_position: optional bound on the positions, checked against the table's
+            rows on the host (the positions themselves are never read back).
+          k_out, v_out: optional dtype[n_layers, total_ctx, num_kv_heads, head_dim].
+
+        Returns:
+          ``(k, v)``, each dtype[n_layers, total_ctx, num_kv_heads, head_dim].
+        """
+        kv = self._workspace_view(ctx_hidden, max_position)
+        op_args = (kv, self.k_norm_weight, self.eps, self.cos_sin_cache, positions)
+        validate_call(*op_args, **self.config.op_kwargs(), k_out=k_out, v_out=v_out)
+        self._project_into(kv, ctx_hidden)
+        return fused_kv_norm_rope(*op_args, **self.config.op_kwargs(), k_out=k_out, v_out=v_out)
+
+    def materialize_layers(
+        self,
+        ctx_hidden: torch.Tensor,
+        positions: torch.Tensor,
+        write_layer_kv: Callable[[int, torch.Tensor, torch.Tensor], None],
+        *,
+        max_position: int | None = None,
+    ) -> None:
+        """:meth:`materialize`, handing each layer's result to ``write_layer_kv(layer, k, v)``.
+
+        ``k, v: dtype[total_ctx, num_kv_heads, head_dim]`` are views of a staging buffer
+        the materializer reuses: copy what is needed before the next call.
+        """
+        total_ctx = validate_materialize(ctx_hidden, self.config, max_position)
+        out_shape = self.config.op.output_shape(self.config.n_layers, total_ctx)
+        half = self.config.n_layers * total_ctx * self.config.op.kv_size
+        self._staging = _grown(self._staging, 2 * half, "staging buffer")
+        k, v = (self._staging[:half].view(out_shape), self._staging[half:2 * half].view(out_shape))
+        self.materialize(ctx_hidden, positions, max_position=max_position, k_out=k, v_out=v)
+        for layer in range(self.config.n_layers):
+            write_layer_kv(layer, k[layer], v[layer])
+
+    def materialize_into_cache(
+        self,
+        ctx_hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cache_loc: torch.Tensor,
+        k_cache: torch.Tensor | Sequence[torch.Tensor],
+        v_cache: torch.Tensor | Sequence[torch.Tensor],
+        *,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+        max_position: int | None = None,
+    ):
+        """:meth:`materialize` scattered into a paged KV cache in one launch, no temporary.
+
+        Token ``t``'s K and V of every layer go to slot ``cache_loc[t]``; slots outside
+        ``[0, num_slots)`` (negative ones: padding) are skipped.
+
+        Args (beyond :meth:`materialize`'s):
+          cache_loc: int32/int64[total_ctx].
+          k_cache, v_cache: dtype or float8_e4m3fn[n_layers, num_slots, num_kv_heads,
+            head_dim], or per-layer lists of [num_slots, num_kv_heads, head_dim] that
+            are views of one buffer at a uniform layer stride (others are refused).
+          k_scale, v_scale: fp32[n_layers], only for float8_e4m3fn caches (stored: value / scale).
+
+        Returns:
+          ``(k_cache, v_cache)`` as given, written in place.
+        """
+        stacked_k, stacked_v = _stacked_cache(k_cache, "k_cache"), _stacked_cache(v_cache, "v_cache")
+        kv = self._workspace_view(ctx_hidden, max_position)
+        op_args = (kv, self.k_norm_weight, self.eps, self.cos_sin_cache, positions,
+                   cache_loc, stacked_k, stacked_v)
+        static = dict(self.config.op_kwargs(), k_scale=k_scale, v_scale=v_scale)
+        validate_cache_call(*op_args, **static)
+        self._project_into(kv, ctx_hidden)
+        fused_kv_norm_rope_into_cache(*op_args, **static)
+        return k_cache, v_cache
+
+    def _workspace_view(self, ctx_hidden: torch.Tensor, max_position: int | None) -> torch.Tensor:
+        """The view of the workspace the GEMM of this call will fill (nothing launched yet)."""
+        total_ctx = validate_materialize(ctx_hidden, self.config, max_position)
+        if ctx_hidden.device != self._workspace.device:
+            raise ValueError(
+                "Invalid ctx_hidden device for fused KV materialization: "
+                f"got device={ctx_hidden.device}, expected device={self._workspace.device}."
+            )
+        numel = total_ctx * self.config.kv_width
+        self._workspace = _grown(self._workspace, numel, "GEMM workspace")
+        return self._workspace[:numel].view(self.config.kv_shape(total_ctx))
+
+    def _project_into(self, kv: torch.Tensor, ctx_hidden: torch.Tensor) -> torch.Tensor:
+        # The workspace slice is contiguous and of the GEMM's exact output shape, so
+        # mm writes it in place rather than resizing it.
+        hidden = ctx_hidden.to(self.kv_proj_weight.dtype)
+        torch.mm(hidden, self.kv_proj_weight.t(), out=kv.view(kv.shape[0], self.config.kv_width))
+        return kv

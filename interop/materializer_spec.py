@@ -1,0 +1,271 @@
+"""The materializer's contract: per-layer weights checked to fit one GEMM and one launch.
+
+Each draft layer brings its own K/V projection, k_norm weight, eps, attention shape and
+rotary configuration. The fused path runs every layer through one stacked GEMM and one
+launch of the op, so all of that must agree across layers: :func:`validate_layers`
+checks it once, at construction, naming the first layer that differs, and returns the
+static :class:`MaterializerConfig` that both frameworks' materializers build from.
+
+Also here, for tests and benchmarks: random layers, the materializer's NumPy reference
+(the GEMM in fp32, then the op's one reference) and the tolerance of that end-to-end
+comparison. Importing this module imports neither torch nor jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Sequence
+
+import numpy as np
+
+from interop.arrays import as_numpy, numpy_dtype
+from interop.inputs import random_inputs
+from interop.reference import (
+    fused_kv_norm_rope_into_cache_reference,
+    fused_kv_norm_rope_reference,
+    rope_cos_sin_cache,
+)
+from interop.spec import FusedKVConfig, dtype_name, validate_call
+from interop.tolerance import Tolerance
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """A layer's rotary embedding: the table rows ``p < max_position`` of base ``base``."""
+
+    rotary_dim: int
+    max_position: int
+    base: float = 10000.0
+    style: str = "neox"
+
+    def cos_sin_cache(self) -> np.ndarray:
+        """fp32[max_position, rotary_dim], built by the reference's one table builder."""
+        return rope_cos_sin_cache(self.max_position, self.rotary_dim, self.base)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayerKV:
+    """One draft layer's share of the fused path; arrays of the materializer's framework.
+
+    kv_proj_weight: float[2*kv_size, hidden], the K rows then the V rows (a Linear's weight).
+    k_norm_weight: float[head_dim].
+    """
+
+    kv_proj_weight: Any
+    k_norm_weight: Any
+    eps: float
+    num_kv_heads: int
+    head_dim: int
+    rope: RopeConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class MaterializerConfig:
+    """What a materializer is, statically; hashable so jit can key compilations on it."""
+
+    op: FusedKVConfig
+    n_layers: int
+    hidden: int
+    weight_dtype: str
+    max_position: int
+
+    @property
+    def kv_width(self) -> int:
+        """Columns of the stacked GEMM's output: every layer's K then V, layer after layer."""
+        return self.n_layers * 2 * self.op.kv_size
+
+    def kv_shape(self, total_ctx: int) -> tuple[int, int, int]:
+        return (total_ctx, self.n_layers, 2 * self.op.kv_size)
+
+    def op_kwargs(self) -> dict:
+        """The op's static keyword arguments."""
+        op = self.op
+        return dict(num_kv_heads=op.num_kv_heads, head_dim=op.head_dim,
+                    rotary_dim=op.rotary_dim, rope_style=op.rope_style)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShapeOf:
+    """Shape and dtype of an array not made yet, for the op's own validation."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _layer_error(index: int, what: str, got, expected) -> ValueError:
+    return ValueError(
+        f"Invalid fused KV materializer layer {index}: {what} got {got}, expected {expected}."
+    )
+
+
+def validate_layers(layers: Sequence[LayerKV], cos_sin_cache=None) -> MaterializerConfig:
+    """Check that every layer fits one stacked GEMM and one launch of the op.
+
+    Layer 0 sets the configuration; each layer in turn is checked for its heads,
+    head_dim, rope configuration, projection weight shape and dtype, k_norm weight
+    shape and eps, and the first difference raises ``ValueError`` naming the layer.
+    Then the op's own validation (:func:`interop.spec.validate_call`) runs on the
+    stacked shapes: the rotary/head dim pair, the rope style, the kv dtype (the
+    weights' dtype, that of the GEMM's output) and the cos/sin table, which is either
+    ``cos_sin_cache`` (fp32[rope.max_position, rotary_dim]) or built from ``rope.base``.
+    """
+    layers = tuple(layers)
+    if not layers:
+        raise ValueError("Invalid layers for fused KV materialization: got 0, expected at least 1.")
+    first = layers[0]
+    first_shape = tuple(int(d) for d in first.kv_proj_weight.shape)
+    hidden = first_shape[1] if len(first_shape) == 2 else "hidden"
+    weight_rows = 2 * first.num_kv_heads * first.head_dim
+    weight_shape = f"({weight_rows}, {hidden}) = (2*num_kv_heads*head_dim, hidden)"
+    weight_dtype = dtype_name(first.kv_proj_weight.dtype)
+    for index, layer in enumerate(layers):
+        as_in_first = " as in layer 0" if index else ""
+        for what, got, expected, shown in (
+            ("num_kv_heads", layer.num_kv_heads, first.num_kv_heads, first.num_kv_heads),
+            ("head_dim", layer.head_dim, first.head_dim, first.head_dim),
+            ("rope configuration", layer.rope, first.rope, first.rope),
+            ("kv_proj_weight shape", tuple(int(d) for d in layer.kv_proj_weight.shape),
+             (weight_rows, hidden), weight_shape),
+            ("kv_proj_weight dtype", dtype_name(layer.kv_proj_weight.dtype), weight_dtype,
+             weight_dtype),
+            ("k_norm_weight shape", tuple(int(d) for d in layer.k_norm_weight.shape),
+             (first.head_dim,), (first.head_dim,)),
+        ):
+            if got != expected:
+                raise _layer_error(index, what, got, f"{shown}{as_in_first}")
+        if not (isinstance(layer.eps, numbers.Real) and math.isfinite(layer.eps) and layer.eps >= 0):
+            raise _layer_error(index, "eps", repr(layer.eps), "a finite float >= 0")
+
+    rope = first.rope
+    n_layers = len(layers)
+    op = FusedKVConfig(first.num_kv_heads, first.head_dim, rope.rotary_dim, rope.style)
+    table = cos_sin_cache if cos_sin_cache is not None else _ShapeOf(
+        (rope.max_position, rope.rotary_dim), "float32")
+    validate_call(
+        _ShapeOf((0, n_layers, 2 * op.kv_size), weight_dtype),
+        _ShapeOf((n_layers, op.head_dim), "float32"),
+        _ShapeOf((n_layers,), "float32"),
+        table,
+        _ShapeOf((0,), "int32"),
+        num_kv_heads=op.num_kv_heads, head_dim=op.head_dim, rotary_dim=op.rotary_dim,
+        rope_style=op.rope_style,
+    )
+    if int(table.shape[0]) != rope.max_position:
+        raise ValueError(
+            "Invalid cos_sin_cache for fused KV materialization: "
+            f"got {int(table.shape[0])} rows, expected rope.max_position={rope.max_position}."
+        )
+    return MaterializerConfig(op, n_layers, int(first_shape[1]), weight_dtype, rope.max_position)
+
+
+def validate_materialize(ctx_hidden, config: MaterializerConfig, max_position: int | None) -> int:
+    """Check one materialize call's hidden states and position bound; return total_ctx.
+
+    ``max_position``, when given, is the caller's bound on its positions, checked
+    against the table on the host instead of reading the positions back (a sync).
+    """
+    shape = tuple(int(d) for d in ctx_hidden.shape)
+    if len(shape) != 2 or shape[1] != config.hidden:
+        raise ValueError(
+            "Invalid ctx_hidden shape for fused KV materialization: "
+            f"got {shape}, expected (total_ctx, {config.hidden})."
+        )
+    if max_position is not None and not 0 <= max_position <= config.max_position:
+        raise ValueError(
+            "Invalid max_position for fused KV materialization: "
+            f"got {max_position}, expected at most {config.max_position}, the rows of cos_sin_cache."
+        )
+    return shape[0]
+
+
+# The framework rounds the GEMM's kv to the weights' dtype before the op; the reference
+# keeps it fp32. For bfloat16 that moves each kv element by up to 2**-9 of itself, which
+# the RMSNorm carries into normalized K unchanged in relative terms. RoPE combines two
+# such elements (|kn| < 8 for weights near 1), so a result that cancels to near zero is
+# off by up to 2 * 8 * 2**-9 = 2**-5 absolute, while one that does not stays within 2 ulp.
+END_TO_END_TOLERANCE = Tolerance(
+    ulps=2, atol=2.0 ** -5,
+    reason="the GEMM's kv is rounded to bfloat16 before the op in the framework, not in the "
+    "fp32 reference; RoPE adds two such errors of up to |kn| * 2**-9 each",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class MaterializerCase:
+    """Host (NumPy) arguments of one materializer and one call on it."""
+
+    layers: tuple[LayerKV, ...]
+    ctx_hidden: np.ndarray
+    positions: np.ndarray
+
+    def op_reference(self, kv, **cache):
+        """The op's reference on ``kv`` (a materializer's own GEMM output) with these layers'
+        arrays and positions; given ``cache_loc``, ``k_cache``, ``v_cache`` (and scales), the
+        reference of the op written into those caches."""
+        arrays = (kv, *stacked_op_arrays(self.layers), self.positions)
+        static = validate_layers(self.layers).op_kwargs()
+        if not cache:
+            return fused_kv_norm_rope_reference(*arrays, **static)
+        return fused_kv_norm_rope_into_cache_reference(*arrays, **cache, **static)
+
+    def end_to_end_reference(self):
+        """:func:`materializer_reference` of this case."""
+        return materializer_reference(self.layers, self.ctx_hidden, self.positions)
+
+
+def random_case(
+    op: FusedKVConfig,
+    *,
+    n_layers: int,
+    hidden: int,
+    total_ctx: int,
+    max_position: int = 4096,
+    dtype: str = "bfloat16",
+    position_dtype: str = "int32",
+    seed: int = 0,
+) -> MaterializerCase:
+    """Fresh random layers and hidden states; k_norm weights, eps and positions as the op's.
+
+    Projection weights are gaussian with variance 1/hidden so that kv, like the op's
+    random inputs, is of order one.
+    """
+    op_inputs = random_inputs(op, n_layers=n_layers, total_ctx=total_ctx, max_position=max_position,
+                              position_dtype=position_dtype, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    weights = rng.standard_normal((n_layers, 2 * op.kv_size, hidden), dtype=np.float32)
+    weights /= np.sqrt(hidden)
+    rope = RopeConfig(op.rotary_dim, max_position, style=op.rope_style)
+    layers = tuple(
+        LayerKV(weights[index].astype(numpy_dtype(dtype)), op_inputs.k_norm_weight[index],
+                float(op_inputs.eps[index]), op.num_kv_heads, op.head_dim, rope)
+        for index in range(n_layers)
+    )
+    ctx_hidden = rng.standard_normal((total_ctx, hidden), dtype=np.float32).astype(numpy_dtype(dtype))
+    return MaterializerCase(layers, ctx_hidden, op_inputs.positions)
+
+
+def stacked_op_arrays(layers, cos_sin_cache=None):
+    """The op's per-layer arguments in NumPy: fp32 ``k_norm_weight[n_layers, head_dim]``,
+    fp32 ``eps[n_layers]`` and the cos/sin table (``cos_sin_cache`` or the one built)."""
+    table = layers[0].rope.cos_sin_cache() if cos_sin_cache is None else as_numpy(cos_sin_cache)
+    return (np.stack([as_numpy(layer.k_norm_weight).astype(np.float32) for layer in layers]),
+            np.array([layer.eps for layer in layers], np.float32), table)
+
+
+def materializer_reference(layers, ctx_hidden, positions, cos_sin_cache=None):
+    """The materializer in NumPy: kv = ctx_hidden @ W_l^T in fp32 for every layer, then the op.
+
+    ``ctx_hidden`` is first rounded to the weights' dtype, as the materializers do; kv
+    is not (compare with :data:`END_TO_END_TOLERANCE`). Returns ``(k, v)``, each
+    weights-dtype[n_layers, total_ctx, num_kv_heads, head_dim].
+    """
+    config = validate_layers(layers, cos_sin_cache)
+    dtype = numpy_dtype(config.weight_dtype)
+    hidden = as_numpy(ctx_hidden).astype(dtype).astype(np.float32)
+    kv = np.stack([hidden @ as_numpy(layer.kv_proj_weight).astype(np.float32).T
+                   for layer in layers], axis=1)
+    k, v = fused_kv_norm_rope_reference(
+        kv, *stacked_op_arrays(layers, cos_sin_cache), as_numpy(positions), **config.op_kwargs())
+    return k.astype(dtype), v.astype(dtype)
