@@ -1,0 +1,388 @@
+"""Device time of the Triton kernel on a GPU, beside plain PyTorch math (eager and compiled) and the copy ceiling.
+
+``python -m benchmarks.bench_torch [--quick] [--no-sweep] [--json PATH]`` from the tree
+(``PYTHONPATH=.``). Rows, all bf16 unless named:
+
+* the draft shape (5 layers, 8 KV heads, head_dim 128, neox) at 16, 256, 4096 and 32768
+  tokens: the kernel under CUDA-graph replay and as an eager call (do_bench), plain
+  PyTorch reference math eager and under ``torch.compile``;
+* the paged-cache variant (bf16 and fp8 caches);
+* variants at 4096 and 32768 tokens: head_dim 256, rotary_dim 64 of 128, gptj, 1 and 8 layers;
+* host overhead per call at 16 tokens: the public call, the bare launcher, the
+  registered custom op (what decides whether eager calls should go through the op);
+* a sweep of (block_tokens, heads_per_program, num_warps): do_bench at 4096 and 32768
+  tokens, graph replay at 16 and 256.
+
+Inputs are random (kv gaussian, positions uniform over the cos/sin table), outputs are
+poisoned with NaN before the first run, every output element is checked written and a
+sample of token rows is compared with the interop reference. Sizes whose working set
+fits in L2 rotate over several input sets. Bandwidth counts bytes read plus written
+(``2 * kv.nbytes`` for the op), next to a device copy measured in the same run. One
+failing configuration prints an error row and the run goes on; a short table comes last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+
+import numpy as np
+import torch
+
+from benchmarks.measure import (
+    Row,
+    copy_bytes_per_second,
+    do_bench_seconds,
+    format_table,
+    graph_replay_seconds,
+    guarded,
+    host_seconds_per_call,
+    input_sets_needed,
+)
+from fusedkv_torch import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
+from fusedkv_torch.kernel import default_launch_shape, launch
+from interop.arrays import as_numpy
+from interop.exchange import to_torch
+from interop.inputs import random_inputs
+from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
+from interop.spec import FusedKVConfig
+from interop.tolerance import bit_mismatches, compare
+
+DRAFT = FusedKVConfig(num_kv_heads=8, head_dim=128, rotary_dim=128, rope_style="neox")
+N_LAYERS = 5
+SIZES = (16, 256, 4096, 32768)
+GRAPH_SIZES = (16, 256)
+SWEEP_SIZES = (4096, 32768)
+MAX_POSITION = 32768
+CHECKED_ROWS = 64
+DEVICE = "cuda"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    config: FusedKVConfig
+    n_layers: int
+    total_ctx: int
+    dtype: str = "bfloat16"
+
+    def static(self) -> dict:
+        c = self.config
+        return dict(num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim,
+                    rope_style=c.rope_style)
+
+    def kv_bytes(self) -> int:
+        return self.total_ctx * self.n_layers * 2 * self.config.kv_size * torch.finfo(self.torch_dtype).bits // 8
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+@dataclasses.dataclass
+class InputSet:
+    """One call's device arguments and its preallocated outputs."""
+
+    kv: torch.Tensor
+    k_norm_weight: torch.Tensor
+    eps: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    positions: torch.Tensor
+    k_out: torch.Tensor
+    v_out: torch.Tensor
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return (self.kv, self.k_norm_weight, self.eps, self.cos_sin_cache, self.positions)
+
+
+def input_sets(case: Case, count: int, seed: int = 0) -> list[InputSet]:
+    """Random device inputs, generated on the GPU (host generation of 32k tokens is slow)."""
+    shared = random_inputs(case.config, n_layers=case.n_layers, total_ctx=0, max_position=MAX_POSITION,
+                           seed=seed)
+    weight, eps, cos_sin = (to_torch(a).to(DEVICE) for a in shared.arrays()[1:4])
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    shape = case.config.output_shape(case.n_layers, case.total_ctx)
+    sets = []
+    for _ in range(count):
+        kv = 2 * torch.randn((case.total_ctx, case.n_layers, 2 * case.config.kv_size),
+                             generator=generator, device=DEVICE, dtype=torch.float32)
+        positions = torch.randint(0, MAX_POSITION, (case.total_ctx,), generator=generator,
+                                  device=DEVICE, dtype=torch.int32)
+        sets.append(InputSet(kv.to(case.torch_dtype), weight, eps, cos_sin, positions,
+                             torch.empty(shape, dtype=case.torch_dtype, device=DEVICE),
+                             torch.empty(shape, dtype=case.torch_dtype, device=DEVICE)))
+        del kv
+    return sets
+
+
+def checked_rows(total_ctx: int) -> np.ndarray:
+    rng = np.random.default_rng(total_ctx)
+    edges = np.r_[0:min(8, total_ctx), max(0, total_ctx - 8):total_ctx]
+    return np.unique(np.r_[edges, rng.integers(0, total_ctx, CHECKED_ROWS)])
+
+
+def check_against_reference(case: Case, inputs: InputSet, k: torch.Tensor, v: torch.Tensor) -> str:
+    """'ok', or what is wrong: unwritten (NaN) elements, or sampled rows off the reference."""
+    torch.cuda.synchronize()
+    unwritten = int(torch.isnan(k).sum()) + int(torch.isnan(v).sum())
+    if unwritten:
+        return f"FAIL: {unwritten} elements unwritten"
+    rows = checked_rows(case.total_ctx)
+    index = torch.as_tensor(rows, device=DEVICE)
+    host = [as_numpy(a) for a in inputs.args()]
+    expected_k, expected_v = fused_kv_norm_rope_reference(
+        as_numpy(inputs.kv.index_select(0, index)), *host[1:4], host[4][rows], **case.static())
+    k_result = compare(k.index_select(1, index), expected_k)
+    v_bad, _ = bit_mismatches(v.index_select(1, index), expected_v)
+    if not k_result.ok:
+        return f"FAIL: {k_result.report()}"
+    return f"FAIL: v differs in {v_bad} elements" if v_bad else "ok"
+
+
+def poison_and_check(case: Case, sets: list[InputSet], call) -> str:
+    for s in sets[:1]:
+        s.k_out.fill_(float("nan"))
+        s.v_out.fill_(float("nan"))
+    k, v = call(0)
+    return check_against_reference(case, sets[0], k, v)
+
+
+def time_call(call, count: int, method: str) -> float:
+    counter = itertools.count()
+    if method == "graph":
+        return graph_replay_seconds(call, count)
+    return do_bench_seconds(lambda: call(next(counter) % count))
+
+
+def tile_label(case: Case, tile: dict | None) -> str:
+    block, heads, warps = default_launch_shape(case.total_ctx, case.config.num_kv_heads, case.config.head_dim)
+    tile = tile or {}
+    label = (f"bt={tile.get('block_tokens', block)},hpp={tile.get('heads_per_program', heads)},"
+             f"nw={tile.get('num_warps', warps)}")
+    return label if tile else f"default {label}"
+
+
+def measure_kernel(case: Case, method: str, *, name: str = "triton", tile: dict | None = None,
+                   check: bool = True) -> Row:
+    count = input_sets_needed(2 * case.kv_bytes())
+    sets = input_sets(case, count)
+    config = case.config
+
+    if tile:
+        def call(i):
+            s = sets[i]
+            launch(*s.args(), s.k_out, s.v_out, config=config, **tile)
+            return s.k_out, s.v_out
+    else:
+        def call(i):
+            s = sets[i]
+            return fused_kv_norm_rope(*s.args(), **case.static(), k_out=s.k_out, v_out=s.v_out)
+
+    verdict = poison_and_check(case, sets, call) if check else "-"
+    seconds = time_call(call, count, method)
+    return Row(name, case.total_ctx, tile_label(case, tile), seconds, 2 * case.kv_bytes(), method,
+               count, verdict)
+
+
+def torch_reference_math(kv, k_norm_weight, eps, cos_sin_cache, positions, *, config: FusedKVConfig):
+    """The op in plain PyTorch ops (the baseline a model would write), outputs [layers, tokens, ...]."""
+    total_ctx, n_layers, _ = kv.shape
+    heads, dim, rotary_dim = config.num_kv_heads, config.head_dim, config.rotary_dim
+    half = rotary_dim // 2
+    k = kv[:, :, :config.kv_size].float().reshape(total_ctx, n_layers, heads, dim)
+    k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps[None, :, None, None])
+    k = k * k_norm_weight.float()[None, :, None, :]
+    rows = cos_sin_cache[positions.long()]
+    cos, sin = rows[:, None, None, :half], rows[:, None, None, half:rotary_dim]
+    if config.rope_style == "neox":
+        first, second = k[..., :half], k[..., half:rotary_dim]
+        rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+    else:
+        first, second = k[..., 0:rotary_dim:2], k[..., 1:rotary_dim:2]
+        rotated = torch.stack([first * cos - second * sin, second * cos + first * sin], dim=-1).flatten(-2)
+    k = torch.cat([rotated, k[..., rotary_dim:]], dim=-1)
+    k_out = k.to(kv.dtype).transpose(0, 1).contiguous()
+    v_out = kv[:, :, config.kv_size:].reshape(total_ctx, n_layers, heads, dim).transpose(0, 1).contiguous()
+    return k_out, v_out
+
+
+_compiled_math = torch.compile(torch_reference_math)
+
+
+def measure_math(case: Case, *, compiled: bool) -> Row:
+    count = input_sets_needed(2 * case.kv_bytes())
+    sets = input_sets(case, count)
+    math_fn = _compiled_math if compiled else torch_reference_math
+
+    def call(i):
+        return math_fn(*sets[i].args(), config=case.config)
+
+    verdict = check_against_reference(case, sets[0], *call(0))
+    seconds = time_call(call, count, "do_bench")
+    name = "torch math (compile)" if compiled else "torch math (eager)"
+    return Row(name, case.total_ctx, "-", seconds, 2 * case.kv_bytes(), "do_bench", count, verdict)
+
+
+def measure_cache(case: Case, method: str, *, fp8: bool) -> Row:
+    """The paged-cache variant: tokens scattered over a cache of twice as many slots."""
+    count = input_sets_needed(2 * case.kv_bytes())
+    sets = input_sets(case, count)
+    num_slots = 2 * case.total_ctx
+    generator = torch.Generator(device=DEVICE).manual_seed(1)
+    slots = [torch.randperm(num_slots, generator=generator, device=DEVICE)[:case.total_ctx] for _ in sets]
+    cache_dtype = torch.float8_e4m3fn if fp8 else case.torch_dtype
+    shape = case.config.output_shape(case.n_layers, num_slots)
+    caches = [(torch.zeros(shape, dtype=cache_dtype, device=DEVICE),
+               torch.zeros(shape, dtype=cache_dtype, device=DEVICE)) for _ in sets]
+    scales = {}
+    if fp8:
+        scales = dict(k_scale=torch.full((case.n_layers,), 0.02, device=DEVICE),
+                      v_scale=torch.full((case.n_layers,), 0.03, device=DEVICE))
+
+    def call(i):
+        return fused_kv_norm_rope_into_cache(*sets[i].args(), slots[i], *caches[i], **case.static(), **scales)
+
+    call(0)
+    torch.cuda.synchronize()
+    rows = checked_rows(case.total_ctx)
+    host = [as_numpy(a) for a in sets[0].args()]
+    host_slots = as_numpy(slots[0])[rows]
+    k_cache, v_cache = (as_numpy(c) for c in caches[0])
+    expected_k, expected_v = fused_kv_norm_rope_into_cache_reference(
+        as_numpy(sets[0].kv)[rows], *host[1:4], host[4][rows], host_slots, k_cache, v_cache,
+        **case.static(), **{k: as_numpy(v) for k, v in scales.items()})
+    k_result = compare(k_cache[:, host_slots], expected_k[:, host_slots])
+    v_bad, _ = bit_mismatches(v_cache[:, host_slots], expected_v[:, host_slots])
+    verdict = "ok" if k_result.ok and not v_bad else f"FAIL: {k_result.report()}; v bad {v_bad}"
+    seconds = time_call(call, count, method)
+    written = case.kv_bytes() // (2 if fp8 else 1)
+    name = "triton cache fp8" if fp8 else "triton cache"
+    return Row(name, case.total_ctx, tile_label(case, None), seconds, case.kv_bytes() + written, method,
+               count, verdict)
+
+
+HOST_WAYS = ("public call", "public, allocating", "launch() only", "custom op")
+
+
+def measure_host_overhead(case: Case, way: str) -> Row:
+    """Host time per call of one way to launch, at a size where the kernel is shorter than it."""
+    count = input_sets_needed(2 * case.kv_bytes())
+    sets = input_sets(case, count)
+    static, config = case.static(), case.config
+
+    def public(i):
+        s = sets[i]
+        return fused_kv_norm_rope(*s.args(), **static, k_out=s.k_out, v_out=s.v_out)
+
+    def allocating(i):
+        return fused_kv_norm_rope(*sets[i].args(), **static)
+
+    def bare(i):
+        s = sets[i]
+        launch(*s.args(), s.k_out, s.v_out, config=config)
+
+    def custom_op(i):
+        s = sets[i]
+        torch.ops.fusedkv.write_fused_kv_norm_rope(*s.args(), s.k_out, s.v_out, config.num_kv_heads,
+                                                   config.head_dim, config.rotary_dim, config.rope_style)
+
+    call = dict(zip(HOST_WAYS, (public, allocating, bare, custom_op)))[way]
+    return Row(f"host: {way}", case.total_ctx, "-", host_seconds_per_call(call, count), 0, "host wall", count)
+
+
+def sweep_tiles(total_ctx: int, quick: bool) -> list[dict]:
+    if total_ctx <= 256:
+        blocks, heads, warps = ((1, 2, 4, 8), (1, 2), (1, 2, 4)) if not quick else ((1, 4), (1,), (1, 4))
+    else:
+        blocks, heads, warps = ((8, 16, 32, 64), (1, 2, 4, 8), (2, 4, 8)) if not quick else (
+            (16, 32), (1, 8), (4, 8))
+    return [dict(block_tokens=b, heads_per_program=h, num_warps=w)
+            for b, h, w in itertools.product(blocks, heads, warps)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer variants and a smaller sweep")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
+    parser.add_argument("--json", help="also write every row to this file")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_torch: no CUDA device; nothing to time.")
+        return 0
+    import triton
+
+    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}; "
+          f"draft shape: bf16, {N_LAYERS} layers, {DRAFT.num_kv_heads} KV heads, "
+          f"head_dim {DRAFT.head_dim}, {DRAFT.rope_style}", flush=True)
+    copy_rate = copy_bytes_per_second()
+    print(f"copy ceiling: {copy_rate / 1e9:.0f} GB/s (1 GiB device copy, read+write, do_bench median)",
+          flush=True)
+
+    def run(rows, name, case, measure):
+        rows.append(guarded(name, case.total_ctx, "-", measure))
+        print(format_table(rows[-1:], copy_rate), flush=True)
+
+    main_rows = []
+    for total_ctx in SIZES:
+        case = Case(DRAFT, N_LAYERS, total_ctx)
+        if total_ctx in GRAPH_SIZES:
+            run(main_rows, "triton", case, lambda: measure_kernel(case, "graph"))
+        run(main_rows, "triton", case, lambda: measure_kernel(case, "do_bench"))
+        run(main_rows, "torch math (eager)", case, lambda: measure_math(case, compiled=False))
+        run(main_rows, "torch math (compile)", case, lambda: measure_math(case, compiled=True))
+        for fp8 in (False, True):
+            method = "graph" if total_ctx in GRAPH_SIZES else "do_bench"
+            run(main_rows, "triton cache", case, lambda: measure_cache(case, method, fp8=fp8))
+
+    variant_rows = []
+    variants = [
+        ("hd256", FusedKVConfig(8, 256, 256, "neox"), N_LAYERS),
+        ("rotary 64/128", FusedKVConfig(8, 128, 64, "neox"), N_LAYERS),
+        ("gptj", FusedKVConfig(8, 128, 128, "gptj"), N_LAYERS),
+        ("1 layer", DRAFT, 1),
+        ("8 layers", DRAFT, 8),
+    ]
+    for label, config, n_layers in variants[:2] if args.quick else variants:
+        for total_ctx in SWEEP_SIZES[:1] if args.quick else SWEEP_SIZES:
+            case = Case(config, n_layers, total_ctx)
+            run(variant_rows, f"triton {label}", case,
+                lambda: measure_kernel(case, "do_bench", name=f"triton {label}"))
+
+    overhead_rows = []
+    decode = Case(DRAFT, N_LAYERS, 16)
+    for way in HOST_WAYS:
+        run(overhead_rows, f"host: {way}", decode, lambda: measure_host_overhead(decode, way))
+
+    sweep_rows = []
+    if not args.no_sweep:
+        for total_ctx in GRAPH_SIZES + SWEEP_SIZES:
+            case = Case(DRAFT, N_LAYERS, total_ctx)
+            method = "graph" if total_ctx in GRAPH_SIZES else "do_bench"
+            for tile in sweep_tiles(total_ctx, args.quick):
+                run(sweep_rows, "triton sweep", case,
+                    lambda: measure_kernel(case, method, name="triton sweep", tile=tile, check=False))
+
+    all_rows = main_rows + variant_rows + overhead_rows + sweep_rows
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(dict(copy_bytes_per_second=copy_rate, rows=[dataclasses.asdict(r) for r in all_rows]),
+                      file, indent=1)
+    if sweep_rows:
+        print("\n== sweep, best 5 per size ==")
+        ranked = []
+        for total_ctx in GRAPH_SIZES + SWEEP_SIZES:
+            timed = sorted((r for r in sweep_rows if r.total_ctx == total_ctx and r.seconds),
+                           key=lambda r: r.seconds)
+            ranked += timed[:5]
+        print(format_table(ranked, copy_rate))
+    print(f"\n== fused KV norm+RoPE, torch/Triton: copy ceiling {copy_rate / 1e9:.0f} GB/s; bar: 85% of "
+          f"copy ({0.85 * copy_rate / 1e9:.0f} GB/s) at 4096/32768, <=1.5 us at 16, <=4 us at 256 (graph) ==")
+    print(format_table(main_rows + variant_rows + overhead_rows, copy_rate))
+    failed = [r for r in main_rows + variant_rows if r.error or r.check.startswith("FAIL")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
