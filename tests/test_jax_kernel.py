@@ -273,7 +273,9 @@ def test_cache_under_jit_with_donated_caches_updates_in_place():
     host, slots, k_cache, v_cache, _ = _cache_case(
         config, n_layers=2, total_ctx=4, num_slots=6, slots=[5, -1, 0, 2],
         k_dtype=numpy_dtype("bfloat16"), v_dtype=numpy_dtype("bfloat16"), seed=22)
-    k_device, v_device = jax.device_put(k_cache), jax.device_put(v_cache)
+    # Copies owned by jax: on the CPU, device_put may alias the NumPy buffer, which
+    # donation cannot reuse.
+    k_device, v_device = jnp.array(k_cache, copy=True), jnp.array(v_cache, copy=True)
     pointers = k_device.unsafe_buffer_pointer(), v_device.unsafe_buffer_pointer()
     step = jax.jit(functools.partial(fused_kv_norm_rope_into_cache, **_static(config)),
                    donate_argnums=(6, 7))
