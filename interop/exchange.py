@@ -11,6 +11,9 @@ jax, on CPU and GPU, and torch/NumPy on the CPU. What costs a copy, and why:
 * bf16 NumPy arrays: NumPy's DLPack refuses bf16, so they travel as an int16 view
   (no copy to torch; jax receives them through ``device_put``).
 
+* on the CPU, a buffer that is not 64-byte aligned (NumPy's own allocations are
+  not; torch's are) is copied by jax on import.
+
 A tensor that requires grad is exported through ``.detach()``, which copies nothing.
 """
 

@@ -1,0 +1,187 @@
+"""The backend-neutral call: every caller framework with every backend, over DLPack."""
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+
+import interop  # noqa: E402
+from interop import cli, equivalence  # noqa: E402
+from interop.backends import BackendRun, run_backend  # noqa: E402
+from interop.exchange import framework_of, to_jax, to_torch  # noqa: E402
+from interop.inputs import random_inputs  # noqa: E402
+from interop.reference import fused_kv_norm_rope_reference  # noqa: E402
+from interop.spec import FusedKVConfig  # noqa: E402
+from interop.tolerance import assert_bit_exact, assert_close  # noqa: E402
+
+CONFIG = FusedKVConfig(num_kv_heads=2, head_dim=32, rotary_dim=32)
+STATIC = dict(num_kv_heads=2, head_dim=32, rotary_dim=32)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(seed, total_ctx=5, n_layers=2, **kwargs):
+    return random_inputs(CONFIG, n_layers=n_layers, total_ctx=total_ctx, max_position=256,
+                         seed=seed, **kwargs)
+
+
+def _as_caller(array, caller):
+    if caller == "numpy":
+        return array
+    if caller == "torch":
+        # A fresh torch allocation: NumPy's own memory is not aligned enough for XLA's CPU
+        # client, which copies such buffers on import (a CPU-only cost, see interop.exchange).
+        return to_torch(array).to(DEVICE, copy=True)
+    return jax.device_put(array)
+
+
+def _pointer(array):
+    if framework_of(array) == "torch":
+        return array.data_ptr()
+    if framework_of(array) == "jax":
+        return array.unsafe_buffer_pointer()
+    return array.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+@pytest.mark.parametrize("caller", ["numpy", "torch", "jax"])
+def test_every_caller_gets_reference_results_in_its_own_framework(caller, backend):
+    if caller == "numpy" and DEVICE == "cuda" and backend == "torch":
+        pytest.skip("NumPy arrays live on the host; the Triton kernel runs on the GPU there")
+    inputs = _inputs(seed=len(caller) * 10 + len(backend))
+    k, v = interop.fused_kv_norm_rope(*(_as_caller(a, caller) for a in inputs.arrays()),
+                                      **STATIC, backend=backend)
+    assert framework_of(k) == framework_of(v) == caller
+    k_ref, v_ref = fused_kv_norm_rope_reference(*inputs.arrays(), **STATIC)
+    assert_close(k, k_ref)
+    assert_bit_exact(v, v_ref)
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_given_torch_outputs_are_written_and_returned(backend):
+    inputs = _inputs(seed=7)
+    k_out = torch.full((2, 5, 2, 32), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    v_out = torch.full_like(k_out, float("nan"))
+    k, v = interop.fused_kv_norm_rope(*(_as_caller(a, "torch") for a in inputs.arrays()),
+                                      **STATIC, k_out=k_out, v_out=v_out, backend=backend)
+    assert k is k_out and v is v_out
+    k_ref, v_ref = fused_kv_norm_rope_reference(*inputs.arrays(), **STATIC)
+    assert_close(k_out, k_ref)
+    assert_bit_exact(v_out, v_ref)
+
+
+def test_auto_picks_the_callers_own_backend(monkeypatch):
+    seen = []
+    for name in ("torch", "jax"):
+        module = interop.dispatch.load_backend(name)
+        real = module.fused_kv_norm_rope
+        monkeypatch.setattr(module, "fused_kv_norm_rope",
+                            lambda *a, _real=real, _name=name, **k: seen.append(_name) or _real(*a, **k))
+    inputs = _inputs(seed=8)
+    interop.fused_kv_norm_rope(*(_as_caller(a, "jax") for a in inputs.arrays()), **STATIC)
+    interop.fused_kv_norm_rope(*(_as_caller(a, "torch") for a in inputs.arrays()), **STATIC)
+    assert seen == ["jax", "torch"]
+
+
+@pytest.mark.parametrize("caller, backend", [("torch", "jax"), ("jax", "torch")])
+def test_contiguous_inputs_cross_without_a_copy(monkeypatch, caller, backend):
+    module = interop.dispatch.load_backend(backend)
+    received = {}
+
+    def spy(kv, k_norm_weight, eps, cos_sin_cache, positions, **kwargs):
+        received.update(kv=_pointer(kv), weight=_pointer(k_norm_weight),
+                        cache=_pointer(cos_sin_cache), positions=_pointer(positions))
+        return module_real(kv, k_norm_weight, eps, cos_sin_cache, positions, **kwargs)
+
+    module_real = module.fused_kv_norm_rope
+    monkeypatch.setattr(module, "fused_kv_norm_rope", spy)
+    args = [_as_caller(a, caller) for a in _inputs(seed=9).arrays()]
+    interop.fused_kv_norm_rope(*args, **STATIC, backend=backend)
+    assert received == dict(kv=_pointer(args[0]), weight=_pointer(args[1]),
+                            cache=_pointer(args[3]), positions=_pointer(args[4]))
+
+
+def test_results_cross_back_without_a_copy():
+    values = jnp.arange(64, dtype=jnp.bfloat16).reshape(4, 16)
+    assert to_torch(values).data_ptr() == values.unsafe_buffer_pointer()
+    tensor = torch.arange(64, dtype=torch.float32, device=DEVICE).reshape(4, 16)
+    assert to_jax(tensor).unsafe_buffer_pointer() == tensor.data_ptr()
+
+
+def test_column_sliced_kv_view_reaches_jax_correctly():
+    inputs = _inputs(seed=10)
+    workspace = torch.zeros(5, 2, 2 * 2 * 32 + 16, dtype=torch.bfloat16, device=DEVICE)
+    workspace[:, :, :128] = to_torch(inputs.kv).to(DEVICE)
+    kv_view = workspace[:, :, :128]
+    others = [_as_caller(a, "torch") for a in inputs.arrays()[1:]]
+    k, v = interop.fused_kv_norm_rope(kv_view, *others, **STATIC, backend="jax")
+    k_ref, v_ref = fused_kv_norm_rope_reference(*inputs.arrays(), **STATIC)
+    assert_close(k, k_ref)
+    assert_bit_exact(v, v_ref)
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_kv_that_requires_grad_is_accepted(backend):
+    inputs = _inputs(seed=11, dtype="float32")
+    kv = to_torch(inputs.kv).to(DEVICE).requires_grad_(True)
+    others = [_as_caller(a, "torch") for a in inputs.arrays()[1:]]
+    k, v = interop.fused_kv_norm_rope(kv, *others, **STATIC, backend=backend)
+    k_ref, v_ref = fused_kv_norm_rope_reference(*inputs.arrays(), **STATIC)
+    assert_close(k, k_ref)
+    assert_bit_exact(v, v_ref)
+
+
+def test_int64_positions_past_int32_stay_out_of_range_in_jax():
+    inputs = _inputs(seed=12, position_dtype="int64")
+    positions = inputs.positions.copy()
+    positions[1] = 2**32 + 3  # would wrap to the valid position 3 if cast naively
+    args = [_as_caller(a, "torch") for a in inputs.arrays()[:4]] + [to_torch(positions).to(DEVICE)]
+    k, _ = interop.fused_kv_norm_rope(*args, **STATIC, backend="jax")
+    k_ref, _ = fused_kv_norm_rope_reference(*inputs.arrays()[:4], positions, **STATIC)
+    assert np.isnan(k_ref[:, 1].astype(np.float32)).all()
+    assert_close(k, k_ref)
+
+
+def test_bad_input_is_rejected_before_any_backend_runs():
+    inputs = _inputs(seed=13)
+    k_out = torch.full((2, 5, 2, 32), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    bad_eps = np.ones(3, np.float32)
+    with pytest.raises(ValueError, match=r"^Invalid stacked eps shape"):
+        interop.fused_kv_norm_rope(inputs.kv, inputs.k_norm_weight, bad_eps, inputs.cos_sin_cache,
+                                   inputs.positions, **STATIC, k_out=k_out, backend="torch")
+    assert bool((k_out == 7.0).all())
+    with pytest.raises(ValueError, match=r"^Invalid backend for fused KV materialization: got 'cuda'"):
+        interop.fused_kv_norm_rope(*inputs.arrays(), **STATIC, backend="cuda")
+
+
+def _corrupting(run_name, index):
+    def runner(name, placed, config):
+        run = run_backend(name, placed, config)
+        if name != run_name:
+            return run
+        k = run.k.copy()
+        k[index] = np.float32(k[index]) + 1.0
+        return BackendRun(run.name, run.device, k, run.v, run.seconds)
+    return runner
+
+
+def test_check_fails_and_names_a_planted_disagreement(monkeypatch, capsys):
+    monkeypatch.setattr(equivalence, "run_backend", _corrupting("jax", (1, 3, 0, 5)))
+    status = cli.main(["check", "--layers", "2", "--heads", "2", "--head-dim", "32",
+                       "--tokens", "4", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 1 and not report["ok"]
+    failing = [row for row in report["rows"] if row["ok"] is False]
+    assert {(row["subject"], row["against"]) for row in failing} == {("jax", "reference"), ("torch", "jax")}
+    assert all("(1, 3, 0, 5)" in row["detail"] for row in failing)
+
+
+def test_check_passes_when_backends_agree(capsys):
+    status = cli.main(["check", "--layers", "2", "--heads", "2", "--head-dim", "32", "--tokens", "4"])
+    table = capsys.readouterr().out
+    assert status == 0, table
+    assert table.count(" PASS ") == 3 and table.strip().endswith("ALL PASS")
