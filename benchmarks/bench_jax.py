@@ -2,7 +2,8 @@
 
 ``python -m benchmarks.bench_jax [--quick]`` from the tree (``PYTHONPATH=.``). Rows: bf16,
 5 layers, 8 KV heads, head_dim 128 (neox) at 16, 256, 4096 and 32768 tokens, the kernel
-with its default tile and plain jnp reference math under ``jax.jit``; then a sweep of
+with its default tile, plain jnp reference math under ``jax.jit``, and the paged-cache
+entry point (bf16 and fp8 caches of twice as many slots); then a sweep of
 tiles (``block_tokens``, ``block_heads``, ``num_warps``) at 4096 and 32768 tokens.
 
 Timing (METHOD.md): device time, not host dispatch. Each step is run many times under
@@ -22,23 +23,21 @@ an error row and the run goes on; a short table comes last.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import glob
-import math
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fusedkv_jax import fused_kv_norm_rope
+from benchmarks.measure import COPY_BYTES, Row, format_table, guarded, input_sets_needed
+from fusedkv_jax import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from interop.inputs import random_inputs
-from interop.reference import fused_kv_norm_rope_reference
+from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
 from interop.spec import FusedKVConfig
 from interop.tolerance import bit_mismatches, compare
 
@@ -47,28 +46,8 @@ N_LAYERS = 5
 SIZES = (16, 256, 4096, 32768)
 SWEEP_SIZES = (4096, 32768)
 MAX_POSITION = 32768
-# Rotate inputs until the working set is about twice the H200's 60 MB L2.
-ROTATION_BYTES = 120 * 2 ** 20
-MAX_INPUT_SETS = 32
-COPY_BYTES = 2 ** 30
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    """One measured configuration; ``error`` set when it failed."""
-
-    name: str
-    total_ctx: int
-    tile: str
-    seconds: float | None
-    bytes_moved: int
-    method: str
-    input_sets: int
-    check: str
-    error: str = ""
-
-    def gbps(self) -> float | None:
-        return None if not self.seconds else self.bytes_moved / self.seconds / 1e9
+# The NumPy reference of a whole paged cache is slow past this many tokens.
+CACHE_CHECK_LIMIT = 4096
 
 
 def jnp_neox_baseline(kv, k_norm_weight, eps, cos_sin_cache, positions, *, config: FusedKVConfig):
@@ -136,10 +115,10 @@ def device_seconds(launch, steps: int) -> tuple[float, str]:
     if events:
         durations = [duration for _, duration in events]
         if len(durations) % steps:
-            return sum(durations) / steps * 1e-9, "profiler mean"
+            return sum(durations) / steps * 1e-9, f"profiler mean ({len(durations)} kernels)"
         per_step = len(durations) // steps
         sums = [sum(durations[i:i + per_step]) for i in range(0, len(durations), per_step)]
-        return statistics.median(sums) * 1e-9, "profiler"
+        return statistics.median(sums) * 1e-9, f"profiler ({per_step} kernel{'s' * (per_step > 1)}/step)"
     walls = []
     for _ in range(5):
         start = time.perf_counter()
@@ -159,8 +138,7 @@ def copy_bandwidth(steps: int) -> tuple[float, str]:
 @functools.cache
 def _input_sets(total_ctx: int) -> tuple[tuple[np.ndarray, ...], list[list[jax.Array]]]:
     """Host copy of the first set (for the check) and every set on the device, made once per size."""
-    set_bytes = 3 * total_ctx * N_LAYERS * 2 * DRAFT.kv_size * 2  # kv read, K and V written
-    count = max(1, min(MAX_INPUT_SETS, math.ceil(ROTATION_BYTES / set_bytes)))
+    count = input_sets_needed(3 * total_ctx * N_LAYERS * 2 * DRAFT.kv_size * 2)  # kv, K and V
     hosts = [random_inputs(DRAFT, n_layers=N_LAYERS, total_ctx=total_ctx, max_position=MAX_POSITION,
                            seed=total_ctx + i).arrays() for i in range(count)]
     return hosts[0], [[jax.device_put(a) for a in host] for host in hosts]
@@ -173,13 +151,17 @@ def _expected(total_ctx: int) -> tuple[np.ndarray, np.ndarray]:
         rotary_dim=DRAFT.rotary_dim, rope_style=DRAFT.rope_style)
 
 
-def _check(k, v, total_ctx: int) -> str:
-    k_expected, v_expected = _expected(total_ctx)
+def _verdict(k, v, k_expected, v_expected, *, v_exact: bool = True) -> str:
     k_result = compare(k, k_expected)
-    v_count, _ = bit_mismatches(v, v_expected)
+    v_result = compare(v, v_expected, name="v") if not v_exact else None
+    v_count = bit_mismatches(v, v_expected)[0] if v_exact else v_result.n_bad
     if k_result.ok and not v_count:
         return "ok"
     return "FAIL: " + (k_result.report() if not k_result.ok else f"v: {v_count} elements differ")
+
+
+def _check(k, v, total_ctx: int) -> str:
+    return _verdict(k, v, *_expected(total_ctx))
 
 
 def measure_kernel(total_ctx: int, steps: int, *, check: bool, **tile) -> Row:
@@ -206,6 +188,41 @@ def measure_kernel(total_ctx: int, steps: int, *, check: bool, **tile) -> Row:
     return Row("pallas", total_ctx, label, seconds, 2 * host[0].nbytes, method, len(sets), verdict)
 
 
+def measure_cache(total_ctx: int, steps: int, *, fp8: bool) -> Row:
+    """The paged-cache entry point: tokens scattered over twice as many slots, caches donated."""
+    host, device_sets = _input_sets(total_ctx)
+    num_slots = 2 * total_ctx
+    rng = np.random.default_rng(total_ctx)
+    host_slots = [rng.permutation(num_slots)[:total_ctx].astype(np.int32) for _ in device_sets]
+    dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    shape = DRAFT.output_shape(N_LAYERS, num_slots)
+    host_scales = dict(k_scale=np.full(N_LAYERS, 0.02, np.float32),
+                       v_scale=np.full(N_LAYERS, 0.03, np.float32)) if fp8 else {}
+    scales = {name: jax.device_put(scale) for name, scale in host_scales.items()}
+    static = dict(num_kv_heads=DRAFT.num_kv_heads, head_dim=DRAFT.head_dim,
+                  rotary_dim=DRAFT.rotary_dim, rope_style=DRAFT.rope_style)
+    step = jax.jit(functools.partial(fused_kv_norm_rope_into_cache, **static), donate_argnums=(6, 7))
+    sets = [dict(inputs=inputs, slots=jax.device_put(slots), k=jnp.zeros(shape, dtype),
+                 v=jnp.zeros(shape, dtype)) for inputs, slots in zip(device_sets, host_slots)]
+
+    def launch(i):
+        state = sets[i % len(sets)]
+        state["k"], state["v"] = step(*state["inputs"], state["slots"], state["k"], state["v"], **scales)
+        return state["k"], state["v"]
+
+    verdict = "-"
+    if total_ctx <= CACHE_CHECK_LIMIT:
+        launch(0)
+        empty = np.zeros(shape, jnp.dtype(dtype))
+        expected = fused_kv_norm_rope_into_cache_reference(
+            *host, host_slots[0], empty, empty, **static, **host_scales)
+        verdict = _verdict(sets[0]["k"], sets[0]["v"], *expected, v_exact=not fp8)
+    seconds, method = device_seconds(launch, steps)
+    written = host[0].nbytes // (2 if fp8 else 1)
+    name = "pallas cache fp8" if fp8 else "pallas cache"
+    return Row(name, total_ctx, "default", seconds, host[0].nbytes + written, method, len(sets), verdict)
+
+
 def measure_jnp(total_ctx: int, steps: int) -> Row:
     host, device_sets = _input_sets(total_ctx)
     step = jax.jit(functools.partial(jnp_neox_baseline, config=DRAFT))
@@ -213,14 +230,6 @@ def measure_jnp(total_ctx: int, steps: int) -> Row:
     verdict = _check(k, v, total_ctx)
     seconds, method = device_seconds(lambda i: step(*device_sets[i % len(device_sets)]), steps)
     return Row("jnp (jit)", total_ctx, "-", seconds, 2 * host[0].nbytes, method, len(device_sets), verdict)
-
-
-def _guarded(name: str, total_ctx: int, tile: str, measure) -> Row:
-    try:
-        return measure()
-    except Exception as error:  # one failing configuration must not end the run
-        traceback.print_exc(file=sys.stderr)
-        return Row(name, total_ctx, tile, None, 0, "-", 0, "-", f"{type(error).__name__}: {error}")
 
 
 def sweep_tiles(quick: bool) -> list[dict]:
@@ -232,22 +241,6 @@ def sweep_tiles(quick: bool) -> list[dict]:
              for bt in (1, 2, 4, 8, 16) for nw in (1, 2, 4, 8)
              if 4 <= bt * 8 * DRAFT.head_dim // (32 * nw) <= 64]
     return tiles + [dict(block_tokens=bt, block_heads=4, num_warps=4) for bt in (2, 4)]
-
-
-def format_table(rows: list[Row], copy_bytes_per_second: float) -> str:
-    header = ("impl", "tokens", "tile", "us", "GB/s", "of copy", "method", "sets", "check")
-    lines = [header]
-    for row in rows:
-        if row.error:
-            lines.append((row.name, str(row.total_ctx), row.tile, "ERROR", "-", "-", "-", "-",
-                          row.error[:100]))
-            continue
-        gbps = row.gbps()
-        lines.append((row.name, str(row.total_ctx), row.tile, f"{row.seconds * 1e6:.2f}",
-                      f"{gbps:.0f}", f"{gbps * 1e9 / copy_bytes_per_second:.0%}", row.method,
-                      str(row.input_sets), row.check))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines)
 
 
 def main(argv=None) -> int:
@@ -265,15 +258,18 @@ def main(argv=None) -> int:
 
     rows = []
     for total_ctx in SIZES:
-        rows.append(_guarded("pallas", total_ctx, "default",
+        rows.append(guarded("pallas", total_ctx, "default",
                              lambda: measure_kernel(total_ctx, steps, check=True)))
-        rows.append(_guarded("jnp (jit)", total_ctx, "-", lambda: measure_jnp(total_ctx, steps)))
-        print(format_table(rows[-2:], copy_rate), flush=True)
+        rows.append(guarded("jnp (jit)", total_ctx, "-", lambda: measure_jnp(total_ctx, steps)))
+        for fp8 in (False, True):
+            rows.append(guarded("pallas cache", total_ctx, "default",
+                                lambda: measure_cache(total_ctx, steps, fp8=fp8)))
+        print(format_table(rows[-4:], copy_rate), flush=True)
     sweep = []
     for total_ctx in SWEEP_SIZES:
         for tile in sweep_tiles(args.quick):
             label = ", ".join(f"{k}={v}" for k, v in tile.items())
-            sweep.append(_guarded("pallas", total_ctx, label, lambda: measure_kernel(
+            sweep.append(guarded("pallas", total_ctx, label, lambda: measure_kernel(
                 total_ctx, max(10, steps // 5), check=False, **tile)))
             print(format_table(sweep[-1:], copy_rate), flush=True)
 
