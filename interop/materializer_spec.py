@@ -181,14 +181,16 @@ def validate_materialize(ctx_hidden, config: MaterializerConfig, max_position: i
 
 
 # The framework rounds the GEMM's kv to the weights' dtype before the op; the reference
-# keeps it fp32. For bfloat16 that moves each kv element by up to 2**-9 of itself, which
-# the RMSNorm carries into normalized K unchanged in relative terms. RoPE combines two
-# such elements (|kn| < 8 for weights near 1), so a result that cancels to near zero is
-# off by up to 2 * 8 * 2**-9 = 2**-5 absolute, while one that does not stays within 2 ulp.
+# keeps it fp32. For bfloat16 that moves each kv element by up to half an ulp, 2**-8 of
+# itself, which the RMSNorm carries into normalized K unchanged in relative terms (its
+# mean over head_dim averages the rounding out). RoPE combines two such elements, each
+# |kn| < 8 for weights near 1, so a result that cancels to near zero is off by up to
+# 2 * 8 * 2**-8 = 2**-4 absolute, while one that does not stays within 2 ulp. Measured
+# at real sizes (2.6M elements): at most 0.028.
 END_TO_END_TOLERANCE = Tolerance(
-    ulps=2, atol=2.0 ** -5,
+    ulps=2, atol=2.0 ** -4,
     reason="the GEMM's kv is rounded to bfloat16 before the op in the framework, not in the "
-    "fp32 reference; RoPE adds two such errors of up to |kn| * 2**-9 each",
+    "fp32 reference; RoPE adds two such errors of up to |kn| * 2**-8 each",
 )
 
 
