@@ -32,7 +32,8 @@ default), a program reads contiguous K and V rows of ``kv`` and, without a cache
 writes one contiguous chunk of each output; the cos/sin rows are loaded once per
 token and shared by all heads. The RoPE partner of each element is a second,
 L1-resident load of the K tile at permuted columns, which keeps partial rotary,
-``gptj`` and non-power-of-two ``head_dim`` on one code path.
+``gptj`` and non-power-of-two ``head_dim`` on one code path (16-byte loads for
+``neox``; ``gptj``'s pair swap makes that second load element-wise).
 """
 
 from __future__ import annotations
@@ -283,7 +284,9 @@ def fused_kv_norm_rope(
 
     Args:
       kv: bf16/fp16/fp32[total_ctx, n_layers, 2*kv_size], per token and layer all K
-        heads then all V heads; ``kv_size = num_kv_heads * head_dim``.
+        heads then all V heads; ``kv_size = num_kv_heads * head_dim``. jax arrays are
+        dense: under ``jax.jit`` a slice of a larger GEMM output is materialized by XLA
+        before the kernel reads it.
       k_norm_weight: float[n_layers, head_dim].
       eps: fp32[n_layers].
       cos_sin_cache: fp32[max_pos, rotary_dim], row p = cos values then sin values.
@@ -307,19 +310,17 @@ def fused_kv_norm_rope(
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
         rope_style=rope_style, k_out=k_out, v_out=v_out,
     )
-    config = call.config
     tile = _tile(call.total_ctx, call.n_layers, num_kv_heads, head_dim,
                  block_tokens, block_heads, num_warps)
     if call.total_ctx == 0:
         empty = jnp.empty(call.output_shape, kv.dtype)
         return (empty if k_out is None else k_out), (empty if v_out is None else v_out)
     positions = _narrow_host_indices(positions, call.max_position)
-    k, v = _launch(
+    return _launch(
         kv, k_norm_weight, eps, cos_sin_cache, positions, None, k_out, v_out, None, None,
-        config=config, block_tokens=tile[0], block_heads=tile[1], num_warps=tile[2],
+        config=call.config, block_tokens=tile[0], block_heads=tile[1], num_warps=tile[2],
         interpret=_on_cpu(kv) if interpret is None else interpret,
     )
-    return k, v
 
 
 def fused_kv_norm_rope_into_cache(
