@@ -21,6 +21,7 @@ are then ``cache_loc[t]`` instead of ``t`` and an fp8 cache is quantized on the 
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -28,7 +29,7 @@ import triton
 import triton.language as tl
 
 from interop.reference import FP8_E4M3_MAX
-from interop.spec import FusedKVConfig, validate_cache_call, validate_call
+from interop.spec import CallShape, FusedKVConfig, validate_cache_call, validate_call
 
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 
@@ -101,26 +102,22 @@ def _fused_kv_norm_rope_kernel(
     tokens = (pid // (head_groups * n_layers)) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_context = tokens < total_ctx
 
+    # Loads are masked by the context only and issued early, so no load waits on another
+    # (rows skipped in a cache are read for nothing; padding is rare). Stores use `written`.
+    positions = tl.load(positions_ptr + tokens * positions_stride, mask=in_context, other=0).to(tl.int64)
     if TO_SLOTS:
         rows = tl.load(slots_ptr + tokens * slots_stride, mask=in_context, other=-1).to(tl.int64)
         written = in_context & (rows >= 0) & (rows < num_slots)
     else:
         rows = tokens
         written = in_context
-
-    positions = tl.load(positions_ptr + tokens * positions_stride, mask=written, other=0).to(tl.int64)
-    rotatable = (positions >= 0) & (positions < max_position)
-    # Masked, so a bad position is never read; its row gets NaN below instead.
-    cos_sin_rows = cos_sin_ptr + positions * cos_sin_stride_p
-    # The cos and sin halves of a row sit like the two halves of a neox rotation.
-    cos, sin = _load_rotary_halves(cos_sin_rows, cos_sin_stride_d, written & rotatable,
-                                   BLOCK_T, PAIR_BLOCK, ROTARY_DIM, False)
     weight_row = k_norm_weight_ptr + layer * weight_stride_l + tl.zeros([1], tl.int64)
     weight_first, weight_second = _load_rotary_halves(weight_row, weight_stride_d, tl.full([1], 1, tl.int1),
                                                       1, PAIR_BLOCK, ROTARY_DIM, GPTJ)
     if TAIL_BLOCK > 0:
         tail_dims = ROTARY_DIM + tl.arange(0, TAIL_BLOCK)
-        tail_mask = written[:, None] & (tail_dims < HEAD_DIM)[None, :]
+        tail_loaded = in_context[:, None] & (tail_dims < HEAD_DIM)[None, :]
+        tail_written = written[:, None] & (tail_dims < HEAD_DIM)[None, :]
         weight_tail = tl.load(k_norm_weight_ptr + layer * weight_stride_l + tail_dims * weight_stride_d,
                               mask=tail_dims < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
     eps = tl.load(eps_ptr + layer * eps_stride)
@@ -131,18 +128,34 @@ def _fused_kv_norm_rope_kernel(
         k_scale = 1.0
         v_scale = 1.0
     head_dims = tl.arange(0, HEAD_BLOCK)
-    head_mask = written[:, None] & (head_dims < HEAD_DIM)[None, :]
+    v_loaded = in_context[:, None] & (head_dims < HEAD_DIM)[None, :]
+    v_written = written[:, None] & (head_dims < HEAD_DIM)[None, :]
     kv_rows = kv_ptr + tokens * kv_stride_t + layer * kv_stride_l
+    rotatable = (positions >= 0) & (positions < max_position)
 
     for head_in_group in tl.static_range(HEADS_PER_PROGRAM):
         head = head_group * HEADS_PER_PROGRAM + head_in_group
         k_src = kv_rows + (head * HEAD_DIM) * kv_stride_d
-        first, second = _load_rotary_halves(k_src, kv_stride_d, written,
+        first, second = _load_rotary_halves(k_src, kv_stride_d, in_context,
                                             BLOCK_T, PAIR_BLOCK, ROTARY_DIM, GPTJ)
-        sum_squares = tl.sum(first * first, 1) + tl.sum(second * second, 1)
         if TAIL_BLOCK > 0:
             tail = tl.load(k_src[:, None] + tail_dims[None, :] * kv_stride_d,
-                           mask=tail_mask, other=0.0).to(tl.float32)
+                           mask=tail_loaded, other=0.0).to(tl.float32)
+        # V is loaded before K is stored: a load after a store to a pointer that may alias
+        # it could not be moved ahead of the store by the compiler.
+        v_src = kv_rows + ((NUM_HEADS + head) * HEAD_DIM) * kv_stride_d
+        v = tl.load(v_src[:, None] + head_dims[None, :] * kv_stride_d, mask=v_loaded)
+        if head_in_group == 0:
+            # After the first head's loads, so they are in flight while the cos/sin rows
+            # wait for their positions. A bad position is masked, never read: its row
+            # gets NaN below instead. The cos and sin halves of a row sit like the two
+            # halves of a neox rotation.
+            cos_sin_rows = cos_sin_ptr + positions * cos_sin_stride_p
+            cos, sin = _load_rotary_halves(cos_sin_rows, cos_sin_stride_d, in_context & rotatable,
+                                           BLOCK_T, PAIR_BLOCK, ROTARY_DIM, False)
+
+        sum_squares = tl.sum(first * first, 1) + tl.sum(second * second, 1)
+        if TAIL_BLOCK > 0:
             sum_squares += tl.sum(tail * tail, 1)
         inv_rms = tl.math.rsqrt(tl.div_rn(sum_squares, HEAD_DIM) + eps)
         inv_rms = tl.where(rotatable, inv_rms, float("nan"))[:, None]
@@ -160,14 +173,16 @@ def _fused_kv_norm_rope_kernel(
         if TAIL_BLOCK > 0:
             tl.store(k_dst[:, None] + tail_dims[None, :] * k_stride_d,
                      _to_destination(tail * inv_rms * weight_tail, k_scale, k_dtype, QUANTIZE),
-                     mask=tail_mask)
-
-        v_src = kv_rows + ((NUM_HEADS + head) * HEAD_DIM) * kv_stride_d
-        v = tl.load(v_src[:, None] + head_dims[None, :] * kv_stride_d, mask=head_mask)
+                     mask=tail_written)
         if QUANTIZE:
             v = _to_destination(v.to(tl.float32), v_scale, v_dst_ptr.dtype.element_ty, QUANTIZE)
         v_dst = v_dst_ptr + layer * v_stride_l + rows * v_stride_row + head * v_stride_h
-        tl.store(v_dst[:, None] + head_dims[None, :] * v_stride_d, v, mask=head_mask)
+        tl.store(v_dst[:, None] + head_dims[None, :] * v_stride_d, v, mask=v_written)
+
+
+def _next_power_of_2(n: int) -> int:
+    # triton.next_power_of_2 costs microseconds of host time per call; this runs per launch.
+    return 1 << (n - 1).bit_length()
 
 
 def default_launch_shape(total_ctx: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
@@ -176,10 +191,23 @@ def default_launch_shape(total_ctx: int, num_kv_heads: int, head_dim: int) -> tu
     Decode-sized calls take small tiles so every SM gets programs; long contexts take
     tiles of 32 tokens, enough bytes in flight per program to hide HBM latency.
     """
-    block_tokens = min(32, triton.next_power_of_2(max(1, total_ctx // 64)))
-    tile_elements = block_tokens * triton.next_power_of_2(head_dim)
-    num_warps = max(1, min(8, tile_elements // 1024))
+    block_tokens = min(32, _next_power_of_2(max(1, total_ctx // 64)))
+    num_warps = max(1, min(8, block_tokens * _next_power_of_2(head_dim) // 1024))
     return block_tokens, 1, num_warps
+
+
+@functools.lru_cache(maxsize=256)
+def _constexprs(config: FusedKVConfig, block_tokens: int, heads_per_program: int, to_slots: bool,
+                quantize: bool) -> dict:
+    tail = config.head_dim - config.rotary_dim
+    return dict(
+        NUM_HEADS=config.num_kv_heads, HEAD_DIM=config.head_dim, ROTARY_DIM=config.rotary_dim,
+        GPTJ=config.rope_style == "gptj", TO_SLOTS=to_slots, QUANTIZE=quantize,
+        BLOCK_T=block_tokens, HEADS_PER_PROGRAM=heads_per_program,
+        PAIR_BLOCK=_next_power_of_2(config.rotary_dim // 2),
+        TAIL_BLOCK=_next_power_of_2(tail) if tail else 0,
+        HEAD_BLOCK=_next_power_of_2(config.head_dim),
+    )
 
 
 def launch(
@@ -211,14 +239,12 @@ def launch(
         total_ctx, config.num_kv_heads, config.head_dim)
     block_tokens = block_tokens or default_block
     heads_per_program = heads_per_program or default_heads
-    num_warps = num_warps or default_warps
     if config.num_kv_heads % heads_per_program:
         raise ValueError(f"Invalid heads_per_program for fused KV materialization: got "
                          f"{heads_per_program}, expected a divisor of {config.num_kv_heads}.")
     to_slots = cache_loc is not None
     quantize = k_scale is not None
-    tail = config.head_dim - config.rotary_dim
-    grid = (triton.cdiv(total_ctx, block_tokens) * n_layers * (config.num_kv_heads // heads_per_program),)
+    grid = (-(-total_ctx // block_tokens) * n_layers * (config.num_kv_heads // heads_per_program),)
     _fused_kv_norm_rope_kernel[grid](
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc,
         k_dst, v_dst, k_scale, v_scale,
@@ -227,13 +253,8 @@ def launch(
         positions.stride(0), cache_loc.stride(0) if to_slots else 0,
         k_scale.stride(0) if quantize else 0, v_scale.stride(0) if quantize else 0,
         *k_dst.stride(), *v_dst.stride(),
-        NUM_HEADS=config.num_kv_heads, HEAD_DIM=config.head_dim, ROTARY_DIM=config.rotary_dim,
-        GPTJ=config.rope_style == "gptj", TO_SLOTS=to_slots, QUANTIZE=quantize,
-        BLOCK_T=block_tokens, HEADS_PER_PROGRAM=heads_per_program,
-        PAIR_BLOCK=triton.next_power_of_2(config.rotary_dim // 2),
-        TAIL_BLOCK=triton.next_power_of_2(tail) if tail else 0,
-        HEAD_BLOCK=triton.next_power_of_2(config.head_dim),
-        num_warps=num_warps,
+        **_constexprs(config, block_tokens, heads_per_program, to_slots, quantize),
+        num_warps=num_warps or default_warps,
     )
 
 
@@ -280,6 +301,30 @@ def _through_registered_op() -> bool:
     return torch.compiler.is_compiling()
 
 
+# Validation reads only shapes, dtypes and devices (interop.spec), and its Python costs more
+# host time than the launch: an eager call whose metadata passed before is not checked again.
+# Rejected metadata is never remembered, so a bad call raises every time.
+_VALIDATED_CALLS: dict[tuple, CallShape] = {}
+_MAX_VALIDATED_CALLS = 4096
+
+
+def _out_metadata(tensor: Optional[torch.Tensor]) -> tuple:
+    return (None, None, None) if tensor is None else (tensor.shape, tensor.dtype, tensor.device)
+
+
+def _validate_once(validate, metadata: Optional[tuple]) -> CallShape:
+    """``validate()``, skipped when ``metadata`` passed before; ``None`` (traced calls) always validates."""
+    if metadata is None:
+        return validate()
+    call = _VALIDATED_CALLS.get(metadata)
+    if call is None:
+        call = validate()
+        if len(_VALIDATED_CALLS) >= _MAX_VALIDATED_CALLS:
+            _VALIDATED_CALLS.clear()
+        _VALIDATED_CALLS[metadata] = call
+    return call
+
+
 def _check_positions_in_range(positions: torch.Tensor, max_position: int) -> None:
     low, high = (int(value) for value in torch.aminmax(positions))  # the one host sync
     if low < 0 or high >= max_position:
@@ -323,11 +368,18 @@ def fused_kv_norm_rope(
     Returns:
       ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim].
     """
-    call = validate_call(
-        kv, k_norm_weight, eps, cos_sin_cache, positions,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-        rope_style=rope_style, k_out=k_out, v_out=v_out,
-    )
+    def validate():
+        return validate_call(
+            kv, k_norm_weight, eps, cos_sin_cache, positions,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
+            rope_style=rope_style, k_out=k_out, v_out=v_out,
+        )
+
+    call = _validate_once(validate, None if torch.compiler.is_compiling() else (
+        num_kv_heads, head_dim, rotary_dim, rope_style,
+        kv.shape, kv.dtype, kv.device, k_norm_weight.shape, k_norm_weight.dtype, eps.shape, eps.dtype,
+        cos_sin_cache.shape, cos_sin_cache.dtype, positions.shape, positions.dtype,
+        *_out_metadata(k_out), *_out_metadata(v_out)))
     positions = positions.to(kv.device, non_blocking=True)
     if check_positions and call.total_ctx:
         _check_positions_in_range(positions, call.max_position)
@@ -377,11 +429,19 @@ def fused_kv_norm_rope_into_cache(
     Returns:
       ``(k_cache, v_cache)``.
     """
-    call = validate_cache_call(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-        rope_style=rope_style, k_scale=k_scale, v_scale=v_scale,
-    )
+    def validate():
+        return validate_cache_call(
+            kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
+            rope_style=rope_style, k_scale=k_scale, v_scale=v_scale,
+        )
+
+    call = _validate_once(validate, None if torch.compiler.is_compiling() else (
+        "cache", num_kv_heads, head_dim, rotary_dim, rope_style,
+        kv.shape, kv.dtype, kv.device, k_norm_weight.shape, k_norm_weight.dtype, eps.shape, eps.dtype,
+        cos_sin_cache.shape, cos_sin_cache.dtype, positions.shape, positions.dtype,
+        cache_loc.shape, cache_loc.dtype, *_out_metadata(k_cache), *_out_metadata(v_cache),
+        *_out_metadata(k_scale), *_out_metadata(v_scale)))
     if call.total_ctx == 0:
         return k_cache, v_cache
     positions = positions.to(kv.device, non_blocking=True)

@@ -257,6 +257,16 @@ def test_bad_call_raises_validation_message_and_writes_nothing(name):
         assert torch.isnan(buffer).all()
 
 
+def test_a_rejected_call_is_rejected_again_after_good_calls():
+    # Validation is remembered per metadata for accepted calls only.
+    args, settings, untouched = _bad_call("k_out_shape")
+    good = {**args, "k_out": untouched[0]}
+    for _ in range(2):
+        fused_kv_norm_rope(**good, **settings)
+        with pytest.raises(ValueError, match="^Invalid k_out shape"):
+            fused_kv_norm_rope(**args, **settings)
+
+
 # The paged-cache path.
 
 def cache_call(config, *, n_layers=2, total_ctx=6, num_slots=9, cache_dtype=None, seed=20,
