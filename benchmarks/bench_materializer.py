@@ -15,7 +15,8 @@ pool), at 16, 512 and 8192 tokens. Rows, all under CUDA-graph replay unless name
 * the eager calls of (a) and (b) at 16 tokens: host wall time per call of a long loop,
   which is what an eager caller waits when the host is the bottleneck;
 * the JAX materializer (``materialize_into_cache`` jitted with the caches donated, and
-  the GEMM alone): device time from the profiler, as in ``bench_jax``.
+  the GEMM alone): device time from the profiler, as in ``bench_jax``; and its eager
+  call at 16 tokens, host wall time per call as above.
 
 "rest" rows run on a fixed GEMM output per input set. Bandwidth counts the bytes the
 work cannot avoid: for the GEMM its weights, ``ctx_hidden`` and ``kv``; for the rest
@@ -251,6 +252,28 @@ def jax_rows(case, *, quick: bool) -> list[Row]:
             "jax gemm", "project", lambda i: project(materializer, hidden), gemm_bytes)))
         rows.append(guarded("jax (b) scatter", total_ctx, "total", lambda: timed(
             "jax (b) scatter", "total", launch_scatter, gemm_bytes + rest_bytes, check())))
+
+    def eager_scatter(i):
+        caches[:] = materializer.materialize_into_cache(hidden, device_positions, device_loc, *caches)
+        return caches
+
+    def host_seconds(launch, calls: int) -> float:
+        """Host wall time per call of a long loop, waiting only at its end (as measure's)."""
+        jax.block_until_ready(launch(0))
+        start = time.perf_counter()
+        for i in range(calls):
+            outputs = launch(i)
+        elapsed = time.perf_counter() - start
+        jax.block_until_ready(outputs)
+        return elapsed / calls
+
+    rng = np.random.default_rng(EAGER_SIZE)
+    hidden = jnp.asarray(rng.standard_normal((EAGER_SIZE, HIDDEN), np.float32), jnp.bfloat16)
+    device_positions = jnp.asarray(rng.integers(0, MAX_POSITION, EAGER_SIZE), jnp.int32)
+    device_loc = jnp.asarray(rng.permutation(NUM_SLOTS)[:EAGER_SIZE], jnp.int32)
+    rows.append(guarded("jax (b) scatter", EAGER_SIZE, "eager", lambda: Row(
+        "jax (b) scatter", EAGER_SIZE, "eager", host_seconds(eager_scatter, 300 if quick else 2000),
+        sum(_bytes(EAGER_SIZE)), "host", 1)))
     return rows
 
 
