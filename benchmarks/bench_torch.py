@@ -1,6 +1,6 @@
 """Device time of the Triton kernel on a GPU, beside plain PyTorch math (eager and compiled) and the copy ceiling.
 
-``python -m benchmarks.bench_torch [--quick] [--no-sweep] [--json PATH]`` from the tree
+``python -m benchmarks.bench_torch [--quick] [--sections draft,variants,host,sweep] [--json PATH]`` from the tree
 (``PYTHONPATH=.``). Rows, all bf16 unless named:
 
 * the draft shape (5 layers, 8 KV heads, head_dim 128, neox) at 16, 256, 4096 and 32768
@@ -123,6 +123,13 @@ def checked_rows(total_ctx: int) -> np.ndarray:
     return np.unique(np.r_[edges, rng.integers(0, total_ctx, CHECKED_ROWS)])
 
 
+def sampled_host_args(inputs: InputSet, rows: np.ndarray) -> list[np.ndarray]:
+    """The op's arguments on the host for the sampled token rows only (kv can be GBs)."""
+    index = torch.as_tensor(rows, device=DEVICE)
+    return [as_numpy(inputs.kv.index_select(0, index)), as_numpy(inputs.k_norm_weight), as_numpy(inputs.eps),
+            as_numpy(inputs.cos_sin_cache), as_numpy(inputs.positions.index_select(0, index))]
+
+
 def check_against_reference(case: Case, inputs: InputSet, k: torch.Tensor, v: torch.Tensor) -> str:
     """'ok', or what is wrong: unwritten (NaN) elements, or sampled rows off the reference."""
     torch.cuda.synchronize()
@@ -131,9 +138,8 @@ def check_against_reference(case: Case, inputs: InputSet, k: torch.Tensor, v: to
         return f"FAIL: {unwritten} elements unwritten"
     rows = checked_rows(case.total_ctx)
     index = torch.as_tensor(rows, device=DEVICE)
-    host = [as_numpy(a) for a in inputs.args()]
     expected_k, expected_v = fused_kv_norm_rope_reference(
-        as_numpy(inputs.kv.index_select(0, index)), *host[1:4], host[4][rows], **case.static())
+        *sampled_host_args(inputs, rows), **case.static())
     k_result = compare(k.index_select(1, index), expected_k)
     v_bad, _ = bit_mismatches(v.index_select(1, index), expected_v)
     if not k_result.ok:
@@ -246,15 +252,16 @@ def measure_cache(case: Case, method: str, *, fp8: bool) -> Row:
 
     call(0)
     torch.cuda.synchronize()
+    # The sampled tokens' cache rows, against the reference writing them into a compact cache.
     rows = checked_rows(case.total_ctx)
-    host = [as_numpy(a) for a in sets[0].args()]
-    host_slots = as_numpy(slots[0])[rows]
-    k_cache, v_cache = (as_numpy(c) for c in caches[0])
+    sampled_slots = slots[0].index_select(0, torch.as_tensor(rows, device=DEVICE))
+    compact = np.zeros((case.n_layers, len(rows), case.config.num_kv_heads, case.config.head_dim),
+                       as_numpy(caches[0][0][:1, :1]).dtype)
     expected_k, expected_v = fused_kv_norm_rope_into_cache_reference(
-        as_numpy(sets[0].kv)[rows], *host[1:4], host[4][rows], host_slots, k_cache, v_cache,
+        *sampled_host_args(sets[0], rows), np.arange(len(rows)), compact, compact,
         **case.static(), **{k: as_numpy(v) for k, v in scales.items()})
-    k_result = compare(k_cache[:, host_slots], expected_k[:, host_slots])
-    v_bad, _ = bit_mismatches(v_cache[:, host_slots], expected_v[:, host_slots])
+    k_result = compare(caches[0][0].index_select(1, sampled_slots), expected_k)
+    v_bad, _ = bit_mismatches(caches[0][1].index_select(1, sampled_slots), expected_v)
     verdict = "ok" if k_result.ok and not v_bad else f"FAIL: {k_result.report()}; v bad {v_bad}"
     seconds = time_call(call, count, method)
     written = case.kv_bytes() // (2 if fp8 else 1)
@@ -302,12 +309,64 @@ def sweep_tiles(total_ctx: int, quick: bool) -> list[dict]:
             for b, h, w in itertools.product(blocks, heads, warps)]
 
 
+VARIANTS = (
+    ("hd256", FusedKVConfig(8, 256, 256, "neox"), N_LAYERS),
+    ("rotary 64/128", FusedKVConfig(8, 128, 64, "neox"), N_LAYERS),
+    ("gptj", FusedKVConfig(8, 128, 128, "gptj"), N_LAYERS),
+    ("1 layer", DRAFT, 1),
+    ("8 layers", DRAFT, 8),
+)
+
+
+def draft_rows(run, quick: bool) -> None:
+    for total_ctx in SIZES:
+        case = Case(DRAFT, N_LAYERS, total_ctx)
+        method = "graph" if total_ctx in GRAPH_SIZES else "do_bench"
+        if total_ctx in GRAPH_SIZES:
+            run("triton", case, lambda: measure_kernel(case, "graph"))
+        run("triton", case, lambda: measure_kernel(case, "do_bench"))
+        run("torch math (eager)", case, lambda: measure_math(case, compiled=False))
+        run("torch math (compile)", case, lambda: measure_math(case, compiled=True))
+        for fp8 in (False, True):
+            run("triton cache", case, lambda: measure_cache(case, method, fp8=fp8))
+
+
+def variant_rows(run, quick: bool) -> None:
+    for label, config, n_layers in VARIANTS[:2] if quick else VARIANTS:
+        for total_ctx in SWEEP_SIZES[:1] if quick else SWEEP_SIZES:
+            case = Case(config, n_layers, total_ctx)
+            run(f"triton {label}", case, lambda: measure_kernel(case, "do_bench", name=f"triton {label}"))
+
+
+def host_rows(run, quick: bool) -> None:
+    decode = Case(DRAFT, N_LAYERS, 16)
+    for way in HOST_WAYS:
+        run(f"host: {way}", decode, lambda: measure_host_overhead(decode, way))
+
+
+def sweep_rows(run, quick: bool) -> None:
+    for total_ctx in GRAPH_SIZES + SWEEP_SIZES:
+        case = Case(DRAFT, N_LAYERS, total_ctx)
+        method = "graph" if total_ctx in GRAPH_SIZES else "do_bench"
+        for tile in sweep_tiles(total_ctx, quick):
+            run("triton sweep", case,
+                lambda: measure_kernel(case, method, name="triton sweep", tile=tile, check=False))
+
+
+SECTIONS = dict(draft=draft_rows, variants=variant_rows, host=host_rows, sweep=sweep_rows)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer variants and a smaller sweep")
-    parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
     parser.add_argument("--json", help="also write every row to this file")
     args = parser.parse_args(argv)
+    sections = args.sections.split(",")
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown sections {unknown}; expected some of {list(SECTIONS)}")
     if not torch.cuda.is_available():
         print("bench_torch: no CUDA device; nothing to time.")
         return 0
@@ -320,67 +379,32 @@ def main(argv=None) -> int:
     print(f"copy ceiling: {copy_rate / 1e9:.0f} GB/s (1 GiB device copy, read+write, do_bench median)",
           flush=True)
 
-    def run(rows, name, case, measure):
-        rows.append(guarded(name, case.total_ctx, "-", measure))
-        print(format_table(rows[-1:], copy_rate), flush=True)
+    rows = {name: [] for name in sections}
+    for name in sections:
+        def run(label, case, measure, section_rows=rows[name]):
+            section_rows.append(guarded(label, case.total_ctx, "-", measure))
+            print(format_table(section_rows[-1:], copy_rate), flush=True)
 
-    main_rows = []
-    for total_ctx in SIZES:
-        case = Case(DRAFT, N_LAYERS, total_ctx)
-        if total_ctx in GRAPH_SIZES:
-            run(main_rows, "triton", case, lambda: measure_kernel(case, "graph"))
-        run(main_rows, "triton", case, lambda: measure_kernel(case, "do_bench"))
-        run(main_rows, "torch math (eager)", case, lambda: measure_math(case, compiled=False))
-        run(main_rows, "torch math (compile)", case, lambda: measure_math(case, compiled=True))
-        for fp8 in (False, True):
-            method = "graph" if total_ctx in GRAPH_SIZES else "do_bench"
-            run(main_rows, "triton cache", case, lambda: measure_cache(case, method, fp8=fp8))
+        SECTIONS[name](run, args.quick)
 
-    variant_rows = []
-    variants = [
-        ("hd256", FusedKVConfig(8, 256, 256, "neox"), N_LAYERS),
-        ("rotary 64/128", FusedKVConfig(8, 128, 64, "neox"), N_LAYERS),
-        ("gptj", FusedKVConfig(8, 128, 128, "gptj"), N_LAYERS),
-        ("1 layer", DRAFT, 1),
-        ("8 layers", DRAFT, 8),
-    ]
-    for label, config, n_layers in variants[:2] if args.quick else variants:
-        for total_ctx in SWEEP_SIZES[:1] if args.quick else SWEEP_SIZES:
-            case = Case(config, n_layers, total_ctx)
-            run(variant_rows, f"triton {label}", case,
-                lambda: measure_kernel(case, "do_bench", name=f"triton {label}"))
-
-    overhead_rows = []
-    decode = Case(DRAFT, N_LAYERS, 16)
-    for way in HOST_WAYS:
-        run(overhead_rows, f"host: {way}", decode, lambda: measure_host_overhead(decode, way))
-
-    sweep_rows = []
-    if not args.no_sweep:
-        for total_ctx in GRAPH_SIZES + SWEEP_SIZES:
-            case = Case(DRAFT, N_LAYERS, total_ctx)
-            method = "graph" if total_ctx in GRAPH_SIZES else "do_bench"
-            for tile in sweep_tiles(total_ctx, args.quick):
-                run(sweep_rows, "triton sweep", case,
-                    lambda: measure_kernel(case, method, name="triton sweep", tile=tile, check=False))
-
-    all_rows = main_rows + variant_rows + overhead_rows + sweep_rows
     if args.json:
         with open(args.json, "w") as file:
-            json.dump(dict(copy_bytes_per_second=copy_rate, rows=[dataclasses.asdict(r) for r in all_rows]),
+            json.dump(dict(copy_bytes_per_second=copy_rate,
+                           rows={name: [dataclasses.asdict(r) for r in section] for name, section in rows.items()}),
                       file, indent=1)
-    if sweep_rows:
+    if rows.get("sweep"):
         print("\n== sweep, best 5 per size ==")
         ranked = []
         for total_ctx in GRAPH_SIZES + SWEEP_SIZES:
-            timed = sorted((r for r in sweep_rows if r.total_ctx == total_ctx and r.seconds),
+            timed = sorted((r for r in rows["sweep"] if r.total_ctx == total_ctx and r.seconds),
                            key=lambda r: r.seconds)
             ranked += timed[:5]
         print(format_table(ranked, copy_rate))
+    summary = [r for name, section in rows.items() if name != "sweep" for r in section]
     print(f"\n== fused KV norm+RoPE, torch/Triton: copy ceiling {copy_rate / 1e9:.0f} GB/s; bar: 85% of "
           f"copy ({0.85 * copy_rate / 1e9:.0f} GB/s) at 4096/32768, <=1.5 us at 16, <=4 us at 256 (graph) ==")
-    print(format_table(main_rows + variant_rows + overhead_rows, copy_rate))
-    failed = [r for r in main_rows + variant_rows if r.error or r.check.startswith("FAIL")]
+    print(format_table(summary, copy_rate))
+    failed = [r for r in summary if r.error or r.check.startswith("FAIL")]
     return 1 if failed else 0
 
 
