@@ -7,8 +7,8 @@ For token t, layer l and KV head h, with all arithmetic in fp32 and one rounding
     k_out[l, t, h] = rope(kn, cos_sin_cache[positions[t]])     (first rotary_dim dims; the rest as kn)
     v_out[l, t, h] = kv[t, l, kv_size + h*D : kv_size + (h+1)*D]   (bit-exact)
 
-The kernel reads ``kv`` once and writes each output once; everything else it touches
-(cos/sin rows, weights) is a few KB that stays in L2. It is bandwidth-bound, so each
+The kernel reads ``kv`` once and writes each output once; the cos/sin rows and weights
+it also reads are served from L2. It is bandwidth-bound, so each
 program moves a 2-D tile of ``BLOCK_T`` tokens by ``head_dim`` per head with 16-byte
 vector accesses, and the launcher sizes the tiles from ``total_ctx``. The grid is one
 axis of (token block, layer, head group) with the head group varying fastest: adjacent
@@ -272,7 +272,7 @@ def _write_fused_kv_norm_rope(
 
 @_write_fused_kv_norm_rope.register_fake
 def _write_fused_kv_norm_rope_fake(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
-      num_kv_heads, head_dim, rotary_dim, rope_style):
+                                   num_kv_heads, head_dim, rotary_dim, rope_style):
     return None
 
 
@@ -290,8 +290,9 @@ def _write_fused_kv_norm_rope_into_cache(
 
 
 @_write_fused_kv_norm_rope_into_cache.register_fake
-def _write_fused_kv_norm_rope_into_cache_fake(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-      num_kv_heads, head_dim, rotary_dim, rope_style, k_scale, v_scale):
+def _write_fused_kv_norm_rope_into_cache_fake(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc,
+                                              k_cache, v_cache, num_kv_heads, head_dim, rotary_dim,
+                                              rope_style, k_scale, v_scale):
     return None
 
 
@@ -308,7 +309,7 @@ _VALIDATED_CALLS: dict[tuple, CallShape] = {}
 _MAX_VALIDATED_CALLS = 4096
 
 
-def _out_metadata(tensor: Optional[torch.Tensor]) -> tuple:
+def _metadata(tensor: Optional[torch.Tensor]) -> tuple:
     return (None, None, None) if tensor is None else (tensor.shape, tensor.dtype, tensor.device)
 
 
@@ -379,7 +380,7 @@ def fused_kv_norm_rope(
         num_kv_heads, head_dim, rotary_dim, rope_style,
         kv.shape, kv.dtype, kv.device, k_norm_weight.shape, k_norm_weight.dtype, eps.shape, eps.dtype,
         cos_sin_cache.shape, cos_sin_cache.dtype, positions.shape, positions.dtype,
-        *_out_metadata(k_out), *_out_metadata(v_out)))
+        *_metadata(k_out), *_metadata(v_out)))
     positions = positions.to(kv.device, non_blocking=True)
     if check_positions and call.total_ctx:
         _check_positions_in_range(positions, call.max_position)
@@ -440,8 +441,8 @@ def fused_kv_norm_rope_into_cache(
         "cache", num_kv_heads, head_dim, rotary_dim, rope_style,
         kv.shape, kv.dtype, kv.device, k_norm_weight.shape, k_norm_weight.dtype, eps.shape, eps.dtype,
         cos_sin_cache.shape, cos_sin_cache.dtype, positions.shape, positions.dtype,
-        cache_loc.shape, cache_loc.dtype, *_out_metadata(k_cache), *_out_metadata(v_cache),
-        *_out_metadata(k_scale), *_out_metadata(v_scale)))
+        cache_loc.shape, cache_loc.dtype, *_metadata(k_cache), *_metadata(v_cache),
+        *_metadata(k_scale), *_metadata(v_scale)))
     if call.total_ctx == 0:
         return k_cache, v_cache
     positions = positions.to(kv.device, non_blocking=True)

@@ -104,6 +104,24 @@ def test_heads_per_program_must_divide_the_heads():
     assert torch.isnan(k).all()
 
 
+def test_registered_ops_write_their_mutated_arguments():
+    config = FusedKVConfig(2, 96, 64, "gptj")
+    inputs = random_inputs(config, n_layers=2, total_ctx=3, max_position=64, seed=13)
+    kv, *rest = on_device(inputs)
+    k_out, v_out = poisoned((2, 3, 2, 96), kv.dtype), poisoned((2, 3, 2, 96), kv.dtype)
+    assert torch.ops.fusedkv.write_fused_kv_norm_rope(kv, *rest, k_out, v_out, *static(config).values()) is None
+    assert_matches_reference(inputs, config, k_out, v_out)
+    slots = np.array([2, -1, 0])
+    poison = np.full((2, 4, 2, 96), np.nan, np.float32).astype(inputs.kv.dtype)
+    k_cache, v_cache = (to_torch(poison.copy()).to(DEVICE) for _ in range(2))
+    torch.ops.fusedkv.write_fused_kv_norm_rope_into_cache(
+        kv, *rest, to_torch(slots).to(DEVICE), k_cache, v_cache, *static(config).values(), None, None)
+    expected_k, expected_v = fused_kv_norm_rope_into_cache_reference(
+        *inputs.arrays(), slots, poison, poison, **static(config))
+    assert_close(k_cache, expected_k)
+    assert_bit_exact(v_cache, expected_v)
+
+
 def workspace_slice(kv_host, device=DEVICE):
     """``kv`` as a view of a wider GEMM workspace whose token rows are also sliced."""
     total_ctx, n_layers, width = kv_host.shape
