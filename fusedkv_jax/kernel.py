@@ -242,6 +242,12 @@ def _on_cpu(kv) -> bool:
         return jax.default_backend() == "cpu"
 
 
+def _on_default_device(kv):
+    """Host (NumPy) ``kv`` where jax would compute on it, so outputs are checked against
+    the device the kernel runs on rather than the host."""
+    return jnp.asarray(kv) if isinstance(kv, np.ndarray) else kv
+
+
 def _narrow_host_indices(indices, size: int):
     """A host int64 array as int32, out-of-range values pinned just outside ``[0, size)``.
 
@@ -305,6 +311,7 @@ def fused_kv_norm_rope(
 
     Usable inside ``jax.jit`` (the configuration is static) and under ``jax.vmap``.
     """
+    kv = _on_default_device(kv)
     call = validate_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
@@ -363,6 +370,7 @@ def fused_kv_norm_rope_into_cache(
     Returns:
       ``(k_cache, v_cache)`` updated.
     """
+    kv = _on_default_device(kv)
     call = validate_cache_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,

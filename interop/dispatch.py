@@ -54,7 +54,8 @@ def choose_backend(backend: str, caller: str) -> str:
     if backend != "auto":
         load_backend(backend)
         return backend
-    preferred = [caller] if caller in BACKENDS else []
+    # NumPy arrays live on the host: jax places them on its own device, torch cannot.
+    preferred = [caller] if caller in BACKENDS else ["jax"] if caller == "numpy" else []
     for name in preferred + [b for b in BACKENDS if b not in preferred]:
         if backend_installed(name):
             return name
@@ -102,6 +103,9 @@ def fused_kv_norm_rope(
     caller = framework_of(kv)
     chosen = choose_backend(backend, caller)
     module = load_backend(chosen)
+    if chosen == "torch" and caller == "numpy" and _torch_on_gpu():
+        raise ValueError("NumPy arrays live on the host and the Triton kernel runs on the GPU "
+                         "here: pass torch CUDA tensors, or use backend='jax'.")
     inputs = [to_framework(a, chosen) for a in (kv, k_norm_weight, eps, cos_sin_cache, positions)]
     given = {"k_out": k_out, "v_out": v_out}
     in_place = {name: to_framework(out, chosen) for name, out in given.items()
@@ -111,6 +115,12 @@ def fused_kv_norm_rope(
         rope_style=rope_style, **in_place,
     )
     return _deliver(k_out, k, caller, chosen), _deliver(v_out, v, caller, chosen)
+
+
+def _torch_on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def _written_in_place(out, backend: str) -> bool:

@@ -8,8 +8,9 @@ jax, on CPU and GPU, and torch/NumPy on the CPU. What costs a copy, and why:
 * int64 positions going to jax with x64 off: jax would wrap them to int32 silently,
   so they are saturated to int32 first (any position past 2**31 - 1 is past every
   cos/sin cache anyway, and stays out of range);
-* bf16 NumPy arrays: NumPy's DLPack refuses bf16, so they travel as an int16 view
-  (no copy to torch; jax receives them through ``device_put``).
+* bf16 NumPy arrays: NumPy's DLPack refuses bf16, so they travel to torch as an
+  int16 view (no copy); jax receives every NumPy array through ``device_put``, which
+  places it on jax's default device (a host-to-device copy when that is a GPU).
 
 * on the CPU, a buffer that is not 64-byte aligned (NumPy's own allocations are
   not; torch's are) is copied by jax on import.
@@ -66,8 +67,8 @@ def to_jax(array):
     elif isinstance(array, np.ndarray):
         if dtype_name(array.dtype) == "int64" and not jax.config.jax_enable_x64:
             array = np.clip(array, -1, INT32_MAX).astype(np.int32)
-        if dtype_name(array.dtype) in ("bfloat16", "float8_e4m3fn"):
-            return jax.device_put(array)
+        # Host memory goes to jax's default device, where the kernel will run.
+        return jax.device_put(array)
     return jax.dlpack.from_dlpack(array)
 
 

@@ -40,12 +40,15 @@ def fused_kv_norm_rope_reference(
     Returns:
       ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim].
     """
+    # Host copies first: the reference reads arrays of any framework on any device.
+    kv, k_norm_weight, eps, cos_sin_cache, positions = (
+        as_numpy(a) for a in (kv, k_norm_weight, eps, cos_sin_cache, positions))
     call = validate_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
         rope_style=rope_style,
     )
-    k, v = _k_fp32_and_v(call, *(as_numpy(a) for a in (kv, k_norm_weight, eps, cos_sin_cache, positions)))
+    k, v = _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions)
     return k.astype(v.dtype), v
 
 
@@ -75,18 +78,22 @@ def fused_kv_norm_rope_into_cache_reference(
       k_scale, v_scale: fp32[n_layers], only for a float8_e4m3fn cache: the cache holds
         ``value / scale`` saturated to +-448, rounded once from fp32.
     """
+    kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache = (
+        as_numpy(a) for a in (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc,
+                              k_cache, v_cache))
+    k_scale, v_scale = (None if s is None else as_numpy(s) for s in (k_scale, v_scale))
     call = validate_cache_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
         rope_style=rope_style, k_scale=k_scale, v_scale=v_scale,
     )
-    k, v = _k_fp32_and_v(call, *(as_numpy(a) for a in (kv, k_norm_weight, eps, cos_sin_cache, positions)))
-    k_cache, v_cache = as_numpy(k_cache).copy(), as_numpy(v_cache).copy()
-    slots = as_numpy(cache_loc).astype(np.int64)
+    k, v = _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions)
+    k_cache, v_cache = k_cache.copy(), v_cache.copy()
+    slots = cache_loc.astype(np.int64)
     written = (slots >= 0) & (slots < k_cache.shape[1])
     for cache, values, scale in ((k_cache, k, k_scale), (v_cache, v.astype(np.float32), v_scale)):
         if scale is not None:
-            values = np.clip(values / as_numpy(scale).astype(np.float32)[:, None, None, None],
+            values = np.clip(values / scale.astype(np.float32)[:, None, None, None],
                              -FP8_E4M3_MAX, FP8_E4M3_MAX)
         cache[:, slots[written]] = values[:, written].astype(cache.dtype)
     return k_cache, v_cache

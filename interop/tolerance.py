@@ -106,7 +106,9 @@ def compare(got, expected, *, name: str = "k", tolerance: Tolerance | None = Non
     agree = (np.isnan(got64) & np.isnan(expected64)) | (got64 == expected64)
     error = np.where(agree, 0.0, np.where(np.isnan(error), np.inf, error))
     bad = error > tolerance.ulps * step + tolerance.atol
-    error_ulps = error / step
+    # Near zero the dtype's own ulp is far below atol; counting in it would report
+    # billions of "ulps" for an error the tolerance accepts, so atol floors the unit.
+    error_ulps = error / np.maximum(step, tolerance.atol)
     n_bad = int(bad.sum())
     worst_index = None
     worst_got = worst_expected = float("nan")

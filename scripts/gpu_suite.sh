@@ -19,7 +19,7 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__}, triton {trit
 PY
 
 status=0
-python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$LOGS/pytest.log" | tail -25 || status=1
+python3 -m pytest -q -n 8 -p no:cacheprovider tests 2>&1 | tee "$LOGS/pytest.log" | tail -25 || status=1
 
 : > "$LOGS/check.log"
 for options in "" "--rotary-dim 64" "--head-dim 256 --rotary-dim 256" "--dtype float16" "--rope-style gptj"; do
