@@ -544,13 +544,15 @@ def test_cuda_graph_replay_writes_new_cache_slots():
 @pytest.mark.gpu
 def test_offsets_past_two_to_the_31_elements():
     # kv holds 2**32 + 2**21 elements and each output 2**31 + 2**20: int32 offsets would wrap.
+    # Inputs are made on the device (17 GB of host fp32 otherwise); a sample of rows is checked.
     config = FusedKVConfig(8, 128, 128, "neox")
     total_ctx = 2**21 + 1024
+    shared = random_inputs(config, n_layers=1, total_ctx=0, max_position=4096, seed=35)
+    _, weight, eps, cos_sin, _ = on_device(shared)
     kv = torch.randn((total_ctx, 1, 2 * config.kv_size), dtype=torch.bfloat16, device=DEVICE)
-    inputs = random_inputs(config, n_layers=1, total_ctx=total_ctx, max_position=4096, seed=35)
-    _, weight, eps, cos_sin, positions = on_device(inputs)
+    positions = torch.randint(0, 4096, (total_ctx,), dtype=torch.int32, device=DEVICE)
     k, v = fused_kv_norm_rope(kv, weight, eps, cos_sin, positions, **static(config))
-    rows = np.concatenate([np.arange(4), np.random.default_rng(0).integers(0, total_ctx, 60),
-                           np.arange(total_ctx - 4, total_ctx)])
-    sample = dataclasses.replace(inputs, kv=as_numpy(kv[rows]), positions=inputs.positions[rows])
+    rows = torch.as_tensor(np.concatenate([np.arange(4), np.random.default_rng(0).integers(0, total_ctx, 60),
+                                           np.arange(total_ctx - 4, total_ctx)]), device=DEVICE)
+    sample = dataclasses.replace(shared, kv=as_numpy(kv[rows]), positions=as_numpy(positions[rows]))
     assert_matches_reference(sample, config, k[:, rows], v[:, rows])
