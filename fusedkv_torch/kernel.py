@@ -70,7 +70,7 @@ def _store_rotary_halves(row_ptrs, stride, first, second, rows_mask, ROWS: tl.co
 
 
 @triton.jit
-def _to_destination(values, scale, dtype, QUANTIZE: tl.constexpr):
+def _to_destination(values, scale, dtype: tl.constexpr, QUANTIZE: tl.constexpr):
     """fp32 values in the destination dtype; an fp8 cache holds ``values / scale`` saturated."""
     if QUANTIZE:
         values = tl.div_rn(values, scale)
@@ -157,7 +157,7 @@ def _fused_kv_norm_rope_kernel(
         sum_squares = tl.sum(first * first, 1) + tl.sum(second * second, 1)
         if TAIL_BLOCK > 0:
             sum_squares += tl.sum(tail * tail, 1)
-        inv_rms = tl.math.rsqrt(tl.div_rn(sum_squares, HEAD_DIM) + eps)
+        inv_rms = tl.math.rsqrt(tl.div_rn(sum_squares, HEAD_DIM * 1.0) + eps)
         inv_rms = tl.where(rotatable, inv_rms, float("nan"))[:, None]
         first = first * inv_rms * weight_first
         second = second * inv_rms * weight_second
