@@ -250,7 +250,7 @@ def _on_default_device(kv):
     return jnp.asarray(kv) if isinstance(kv, np.ndarray) else kv
 
 
-def _narrow_host_indices(indices, size: int):
+def narrow_host_indices(indices, size: int):
     """A host int64 array as int32, out-of-range values pinned just outside ``[0, size)``.
 
     With x64 off, jax would wrap int64 to int32, which can carry an out-of-range
@@ -324,7 +324,7 @@ def fused_kv_norm_rope(
     if call.total_ctx == 0:
         empty = jnp.empty(call.output_shape, kv.dtype)
         return (empty if k_out is None else k_out), (empty if v_out is None else v_out)
-    positions = _narrow_host_indices(positions, call.max_position)
+    positions = narrow_host_indices(positions, call.max_position)
     return _launch(
         kv, k_norm_weight, eps, cos_sin_cache, positions, None, k_out, v_out, None, None,
         config=call.config, block_tokens=tile[0], block_heads=tile[1], num_warps=tile[2],
@@ -382,8 +382,8 @@ def fused_kv_norm_rope_into_cache(
                  block_tokens, block_heads, num_warps)
     if call.total_ctx == 0:
         return k_cache, v_cache
-    positions = _narrow_host_indices(positions, call.max_position)
-    cache_loc = _narrow_host_indices(cache_loc, int(k_cache.shape[1]))
+    positions = narrow_host_indices(positions, call.max_position)
+    cache_loc = narrow_host_indices(cache_loc, int(k_cache.shape[1]))
     return _launch(
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
         k_scale, v_scale,

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from fusedkv_jax.kernel import (
-    _narrow_host_indices,
+    narrow_host_indices,
     fused_kv_norm_rope,
     fused_kv_norm_rope_into_cache,
 )
@@ -97,7 +97,7 @@ class FusedKVMaterializer:
           ``(k, v)``, each dtype[n_layers, total_ctx, num_kv_heads, head_dim].
         """
         validate_materialize(ctx_hidden, self.config, max_position)
-        return _materialize(self, ctx_hidden, _narrow_host_indices(positions, INT32_MAX))
+        return _materialize(self, ctx_hidden, narrow_host_indices(positions, INT32_MAX))
 
     def materialize_layers(
         self,
@@ -155,8 +155,8 @@ class FusedKVMaterializer:
                 )
         validate_materialize(ctx_hidden, self.config, max_position)
         return _materialize_into_cache(
-            self, ctx_hidden, _narrow_host_indices(positions, INT32_MAX),
-            _narrow_host_indices(cache_loc, INT32_MAX), k_cache, v_cache, k_scale, v_scale)
+            self, ctx_hidden, narrow_host_indices(positions, INT32_MAX),
+            narrow_host_indices(cache_loc, INT32_MAX), k_cache, v_cache, k_scale, v_scale)
 
 
 @jax.jit
