@@ -1,4 +1,4 @@
-
+"""fusedkv for JAX: the Pallas GPU kernel, its jit-native wrapper, the materializer."""
 
 from fusedkv_jax.kernel import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_jax.materializer import FusedKVMaterializer
