@@ -34,7 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.measure import COPY_BYTES, Row, format_table, guarded, input_sets_needed
+from benchmarks.measure import (
+    COPY_BYTES,
+    Row,
+    copy_bytes_per_second,
+    format_table,
+    guarded,
+    input_sets_needed,
+)
 from fusedkv_jax import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
@@ -133,6 +140,25 @@ def copy_bandwidth(steps: int) -> tuple[float, str]:
     negate = jax.jit(jnp.negative)
     seconds, method = device_seconds(lambda i: negate(source), steps)
     return 2 * source.nbytes / seconds, method
+
+
+def device_copy_ceiling(steps: int) -> tuple[float, str]:
+    """The higher of XLA's elementwise pass and, where torch sees the GPU, a plain device copy.
+
+    XLA's pass reached only about 80% of a cudaMemcpy on the H200, and a ceiling set too
+    low would flatter the kernel; the fraction is taken of the device's best copy.
+    """
+    rate, method = copy_bandwidth(steps)
+    try:
+        import torch
+    except ImportError:
+        return rate, method
+    if not torch.cuda.is_available():
+        return rate, method
+    memcpy_rate = copy_bytes_per_second()
+    if memcpy_rate <= rate:
+        return rate, method
+    return memcpy_rate, f"torch device copy; XLA pass {rate / 1e9:.0f} GB/s"
 
 
 @functools.cache
@@ -253,7 +279,7 @@ def main(argv=None) -> int:
     steps = 20 if args.quick else 100
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; bf16, {N_LAYERS} layers, "
           f"{DRAFT.num_kv_heads} KV heads, head_dim {DRAFT.head_dim}, {DRAFT.rope_style}; {steps} steps")
-    copy_rate, copy_method = copy_bandwidth(steps)
+    copy_rate, copy_method = device_copy_ceiling(steps)
     print(f"copy ceiling: {copy_rate / 1e9:.0f} GB/s ({copy_method})", flush=True)
 
     rows = []
