@@ -51,7 +51,7 @@ from interop.tolerance import bit_mismatches, compare
 DRAFT = FusedKVConfig(num_kv_heads=8, head_dim=128, rotary_dim=128, rope_style="neox")
 N_LAYERS = 5
 SIZES = (16, 256, 4096, 32768)
-SWEEP_SIZES = (4096, 32768)
+SWEEP_SIZES = (16, 256, 4096, 32768)
 MAX_POSITION = 32768
 # The NumPy reference of a whole paged cache is slow past this many tokens.
 CACHE_CHECK_LIMIT = 4096
@@ -258,7 +258,11 @@ def measure_jnp(total_ctx: int, steps: int) -> Row:
     return Row("jnp (jit)", total_ctx, "-", seconds, 2 * host[0].nbytes, method, len(device_sets), verdict)
 
 
-def sweep_tiles(quick: bool) -> list[dict]:
+def sweep_tiles(total_ctx: int, quick: bool) -> list[dict]:
+    if total_ctx <= 256:
+        # Latency-bound: more, smaller programs against fewer, wider ones.
+        return [dict(block_tokens=1, block_heads=bh, num_warps=nw)
+                for bh, nw in ((1, 1), (2, 1), (4, 1), (8, 1), (8, 4))]
     if quick:
         return [dict(block_tokens=bt, block_heads=8, num_warps=nw) for bt, nw in ((1, 2), (2, 4), (4, 4), (8, 8))]
     # Between 4 and 64 K elements per thread with every head in the block, and two
@@ -293,7 +297,7 @@ def main(argv=None) -> int:
         print(format_table(rows[-4:], copy_rate), flush=True)
     sweep = []
     for total_ctx in SWEEP_SIZES:
-        for tile in sweep_tiles(args.quick):
+        for tile in sweep_tiles(total_ctx, args.quick):
             label = ", ".join(f"{k}={v}" for k, v in tile.items())
             sweep.append(guarded("pallas", total_ctx, label, lambda: measure_kernel(
                 total_ctx, max(10, steps // 5), check=False, **tile)))
