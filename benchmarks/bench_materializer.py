@@ -12,8 +12,9 @@ pool), at 16, 512 and 8192 tokens. Rows, all under CUDA-graph replay unless name
 * ``(b) scatter``: ``materialize_into_cache``, the GEMM then one launch that writes
   every layer's slots; ``rest`` is that launch alone;
 * ``callback``: ``materialize_layers`` with the same per-layer index writes;
-* the eager calls of (a) and (b) at 16 tokens: host wall time per call of a long loop,
-  which is what an eager caller waits when the host is the bottleneck;
+* the eager calls of (a) and (b) at 16 tokens, and of (b)'s two parts (the GEMM alone,
+  the op alone): host wall time per call of a long loop, which is what an eager caller
+  waits when the host is the bottleneck;
 * the JAX materializer (``materialize_into_cache`` jitted with the caches donated, and
   the GEMM alone): device time from the profiler, as in ``bench_jax``; and its eager
   call at 16 tokens, host wall time per call as above.
@@ -198,11 +199,14 @@ def eager_rows(bench: Bench, *, quick: bool) -> list[Row]:
     gemm_bytes, rest_bytes = _bytes(EAGER_SIZE)
     calls = 300 if quick else 2000
     rows = []
-    for name, call in (("(a) reference", bench.reference_total), ("(b) scatter", bench.scatter_total)):
-        rows.append(guarded(name, EAGER_SIZE, "eager", lambda: Row(
-            name, EAGER_SIZE, "eager", host_seconds_per_call(lambda i: call(sets[i]), len(sets),
-                                                             calls=calls),
-            gemm_bytes + rest_bytes, "host", len(sets))))
+    for name, part, call, nbytes in (
+            ("gemm", "eager project", bench.gemm, gemm_bytes),
+            ("(b) scatter", "eager rest", bench.scatter_rest, rest_bytes),
+            ("(a) reference", "eager", bench.reference_total, gemm_bytes + rest_bytes),
+            ("(b) scatter", "eager", bench.scatter_total, gemm_bytes + rest_bytes)):
+        rows.append(guarded(name, EAGER_SIZE, part, lambda: Row(
+            name, EAGER_SIZE, part, host_seconds_per_call(lambda i: call(sets[i]), len(sets), calls=calls),
+            nbytes, "host", len(sets))))
     return rows
 
 

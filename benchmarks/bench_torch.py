@@ -1,17 +1,19 @@
 """Device time of the Triton kernel on a GPU, beside plain PyTorch math (eager and compiled) and the copy ceiling.
 
-``python -m benchmarks.bench_torch [--quick] [--sections draft,variants,host,sweep] [--json PATH]`` from the tree
-(``PYTHONPATH=.``). Rows, all bf16 unless named:
+``python -m benchmarks.bench_torch [--quick] [--sections draft,baselines,variants,host,sweep] [--json PATH]``
+from the tree (``PYTHONPATH=.``). Rows, all bf16 unless named:
 
-* the draft shape (5 layers, 8 KV heads, head_dim 128, neox) at 16, 256, 4096 and 32768
-  tokens: the kernel under CUDA-graph replay and as an eager call (do_bench), plain
-  PyTorch reference math eager and under ``torch.compile``;
-* the paged-cache variant (bf16 and fp8 caches);
-* variants at 4096 and 32768 tokens: head_dim 256, rotary_dim 64 of 128, gptj, 1 and 8 layers;
-* host overhead per call at 16 tokens: the public call, the bare launcher, the
-  registered custom op (what decides whether eager calls should go through the op);
-* a sweep of (block_tokens, heads_per_program, num_warps): do_bench at 4096 and 32768
-  tokens, graph replay at 16 and 256.
+* ``draft``: the draft shape (5 layers, 8 KV heads, head_dim 128, neox) at 16, 256, 4096
+  and 32768 tokens: the kernel under CUDA-graph replay and as an eager call (do_bench),
+  and the paged-cache variant (bf16 and fp8 caches);
+* ``baselines``: plain PyTorch reference math, eager and under ``torch.compile``;
+* ``variants`` at 4096 and 32768 tokens: head_dim 256, rotary_dim 64 of 128, gptj, 1 and 8 layers;
+* ``host``: host time per call at 16 tokens, broken down: the public calls, ``launch()``
+  launching directly and through Triton's ``kernel[grid]``, the compiled kernel's own
+  launcher alone (the floor), the registered custom op, and a five-argument kernel
+  launched through ``kernel[grid]`` as a yardstick;
+* ``sweep``: (block_tokens, heads_per_program, num_warps) tiles: graph replay at 16 and
+  256 tokens, do_bench at 4096 and 32768, head_dim 256 at 4096, the fp8 cache.
 
 Inputs are random (kv gaussian, positions uniform over the cos/sin table), outputs are
 poisoned with NaN before the first run, every output element is checked written and a
@@ -31,6 +33,8 @@ import sys
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
 from benchmarks.measure import (
     Row,
@@ -43,6 +47,7 @@ from benchmarks.measure import (
     input_sets_needed,
 )
 from fusedkv_torch import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
+from fusedkv_torch import kernel as kernel_module
 from fusedkv_torch.kernel import default_launch_shape, launch
 from interop.arrays import as_numpy
 from interop.exchange import to_torch
@@ -231,7 +236,7 @@ def measure_math(case: Case, *, compiled: bool) -> Row:
     return Row(name, case.total_ctx, "-", seconds, 2 * case.kv_bytes(), "do_bench", count, verdict)
 
 
-def measure_cache(case: Case, method: str, *, fp8: bool) -> Row:
+def measure_cache(case: Case, method: str, *, fp8: bool, tile: dict | None = None) -> Row:
     """The paged-cache variant: tokens scattered over a cache of twice as many slots."""
     count = input_sets_needed(2 * case.kv_bytes())
     sets = input_sets(case, count)
@@ -247,8 +252,12 @@ def measure_cache(case: Case, method: str, *, fp8: bool) -> Row:
         scales = dict(k_scale=torch.full((case.n_layers,), 0.02, device=DEVICE),
                       v_scale=torch.full((case.n_layers,), 0.03, device=DEVICE))
 
-    def call(i):
-        return fused_kv_norm_rope_into_cache(*sets[i].args(), slots[i], *caches[i], **case.static(), **scales)
+    if tile:
+        def call(i):
+            launch(*sets[i].args(), *caches[i], config=case.config, cache_loc=slots[i], **scales, **tile)
+    else:
+        def call(i):
+            fused_kv_norm_rope_into_cache(*sets[i].args(), slots[i], *caches[i], **case.static(), **scales)
 
     call(0)
     torch.cuda.synchronize()
@@ -266,18 +275,38 @@ def measure_cache(case: Case, method: str, *, fp8: bool) -> Row:
     seconds = time_call(call, count, method)
     written = case.kv_bytes() // (2 if fp8 else 1)
     name = "triton cache fp8" if fp8 else "triton cache"
-    return Row(name, case.total_ctx, tile_label(case, None), seconds, case.kv_bytes() + written, method,
+    return Row(name, case.total_ctx, tile_label(case, tile), seconds, case.kv_bytes() + written, method,
                count, verdict)
 
 
-HOST_WAYS = ("public call", "public, allocating", "launch() only", "custom op")
+@triton.jit
+def _copy_rows_kernel(source_ptr, destination_ptr, columns, source_stride, destination_stride,
+                      BLOCK: tl.constexpr):
+    # The host-overhead yardstick: a simple kernel of five runtime arguments, one row per program.
+    row = tl.program_id(0)
+    offsets = tl.arange(0, BLOCK)
+    values = tl.load(source_ptr + row * source_stride + offsets, mask=offsets < columns)
+    tl.store(destination_ptr + row * destination_stride + offsets, values, mask=offsets < columns)
+
+
+HOST_WAYS = ("public call", "public, allocating", "public, into cache", "launch()", "launch(), kernel[grid]",
+             "compiled launcher alone", "custom op", "yardstick: 5-argument kernel[grid]")
 
 
 def measure_host_overhead(case: Case, way: str) -> Row:
-    """Host time per call of one way to launch, at a size where the kernel is shorter than it."""
+    """Host time per call of one way to launch, at a size where the kernel is shorter than it.
+
+    ``launch(), kernel[grid]`` is Triton's own launch path (direct launches off);
+    ``compiled launcher alone`` calls the compiled kernel's launcher with every argument
+    ready, the floor under the other ways; the yardstick is a simple kernel of five
+    runtime arguments launched through ``kernel[grid]``.
+    """
     count = input_sets_needed(2 * case.kv_bytes())
     sets = input_sets(case, count)
     static, config = case.static(), case.config
+    slots = torch.arange(case.total_ctx, device=DEVICE)
+    caches = [torch.empty(config.output_shape(case.n_layers, case.total_ctx), dtype=case.torch_dtype,
+                          device=DEVICE) for _ in range(2)]
 
     def public(i):
         s = sets[i]
@@ -285,6 +314,9 @@ def measure_host_overhead(case: Case, way: str) -> Row:
 
     def allocating(i):
         return fused_kv_norm_rope(*sets[i].args(), **static)
+
+    def into_cache(i):
+        return fused_kv_norm_rope_into_cache(*sets[i].args(), slots, *caches, **static)
 
     def bare(i):
         s = sets[i]
@@ -295,18 +327,70 @@ def measure_host_overhead(case: Case, way: str) -> Row:
         torch.ops.fusedkv.write_fused_kv_norm_rope(*s.args(), s.k_out, s.v_out, config.num_kv_heads,
                                                    config.head_dim, config.rotary_dim, config.rope_style)
 
-    call = dict(zip(HOST_WAYS, (public, allocating, bare, custom_op)))[way]
-    return Row(f"host: {way}", case.total_ctx, "-", host_seconds_per_call(call, count), 0, "host wall", count)
+    def yardstick(i):
+        s = sets[i]
+        _copy_rows_kernel[(case.total_ctx * case.n_layers,)](
+            s.kv, s.v_out, config.kv_size, s.kv.stride(1), config.kv_size,
+            BLOCK=triton.next_power_of_2(config.kv_size))
+
+    def timed(call) -> Row:
+        return Row(f"host: {way}", case.total_ctx, "-", host_seconds_per_call(call, count), 0, "host wall",
+                   count)
+
+    if way == "launch(), kernel[grid]":
+        kernel_module._launcher.direct = False
+        try:
+            return timed(bare)
+        finally:
+            kernel_module._launcher.direct = True
+    if way == "compiled launcher alone":
+        return timed(compiled_launcher_alone(case, sets[0]))
+    return timed(dict(zip(HOST_WAYS, (public, allocating, into_cache, bare, None, None, custom_op,
+                                      yardstick)))[way])
 
 
-def sweep_tiles(total_ctx: int, quick: bool) -> list[dict]:
-    if total_ctx <= 256:
-        blocks, heads, warps = ((1, 2, 4, 8), (1, 2), (1, 2, 4)) if not quick else ((1, 4), (1,), (1, 4))
-    else:
-        blocks, heads, warps = ((8, 16, 32, 64), (1, 2, 4, 8), (2, 4, 8)) if not quick else (
-            (16, 32), (1, 8), (4, 8))
-    return [dict(block_tokens=b, heads_per_program=h, num_warps=w)
-            for b, h, w in itertools.product(blocks, heads, warps)]
+def compiled_launcher_alone(case: Case, inputs: InputSet):
+    """A call of the compiled kernel's own launcher with every argument ready, as a direct launch makes it."""
+    tensors = (inputs.kv, inputs.k_norm_weight, inputs.eps, inputs.cos_sin_cache, inputs.positions, None,
+               inputs.k_out, inputs.v_out, None, None)
+    for _ in range(2):  # the first compiles through kernel[grid], the second launches directly
+        launch(*inputs.args(), inputs.k_out, inputs.v_out, config=case.config)
+    grid, constexprs, num_warps = kernel_module._plan(case.config, case.total_ctx, case.n_layers, False, False,
+                                                      None, None, None)
+    signature = (constexprs, num_warps,
+                 *[None if t is None else (t.dtype, t.get_device()) for t in tensors])
+    run, function, metadata = next(iter(kernel_module._launcher._by_signature[signature].values()))
+    args = ([None if t is None else t.data_ptr() for t in tensors]
+            + [case.total_ctx, inputs.cos_sin_cache.shape[0], case.total_ctx]
+            + [*inputs.kv.stride(), *inputs.k_norm_weight.stride(), *inputs.eps.stride(),
+               *inputs.cos_sin_cache.stride(), *inputs.positions.stride(), 0, 0, 0, *inputs.k_out.stride(),
+               *inputs.v_out.stride()]
+            + list(constexprs))
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def call(i):
+        run(grid, 1, 1, stream, function, metadata, None, None, None, *args)
+    return call
+
+
+# (block_tokens, heads_per_program, num_warps) per size; [1 token, 8 heads, 128] tiles of
+# 2 warps are what the JAX kernel ran best at 4096 and 32768 tokens.
+SWEEP_TILES = {
+    16: [(1, 1, 1), (1, 2, 1), (1, 4, 1), (1, 8, 1), (1, 8, 2), (2, 2, 1), (2, 8, 2), (4, 1, 1)],
+    256: [(4, 1, 1), (2, 2, 1), (2, 4, 1), (1, 8, 1), (1, 8, 2), (2, 8, 2), (4, 2, 2), (4, 8, 4), (8, 1, 2)],
+    4096: [(1, 8, 1), (1, 8, 2), (1, 8, 4), (2, 8, 2), (2, 8, 4), (4, 8, 4), (4, 8, 8), (8, 4, 4), (8, 8, 8),
+           (16, 1, 4), (16, 2, 4), (16, 8, 8), (32, 1, 4), (32, 2, 8)],
+}
+SWEEP_TILES[32768] = SWEEP_TILES[4096]
+QUICK_SWEEP_TILES = {16: [(1, 1, 1), (1, 8, 2)], 256: [(4, 1, 1), (1, 8, 2)],
+                     4096: [(1, 8, 2), (2, 8, 4), (32, 1, 4)], 32768: [(1, 8, 2), (2, 8, 4), (16, 8, 8)]}
+HD256 = FusedKVConfig(8, 256, 256, "neox")
+HD256_TILES = [(1, 8, 2), (1, 8, 4), (2, 8, 8), (4, 4, 8), (8, 1, 4), (16, 1, 4), (16, 1, 8), (32, 1, 8)]
+FP8_TILES = [(1, 8, 2), (2, 8, 4), (16, 8, 8), (32, 1, 4)]
+
+
+def as_tile(block_tokens: int, heads_per_program: int, num_warps: int) -> dict:
+    return dict(block_tokens=block_tokens, heads_per_program=heads_per_program, num_warps=num_warps)
 
 
 VARIANTS = (
@@ -325,10 +409,15 @@ def draft_rows(run, quick: bool) -> None:
         if total_ctx in GRAPH_SIZES:
             run("triton", case, lambda: measure_kernel(case, "graph"))
         run("triton", case, lambda: measure_kernel(case, "do_bench"))
-        run("torch math (eager)", case, lambda: measure_math(case, compiled=False))
-        run("torch math (compile)", case, lambda: measure_math(case, compiled=True))
         for fp8 in (False, True):
             run("triton cache", case, lambda: measure_cache(case, method, fp8=fp8))
+
+
+def baseline_rows(run, quick: bool) -> None:
+    for total_ctx in SIZES[::3] if quick else SIZES:
+        case = Case(DRAFT, N_LAYERS, total_ctx)
+        run("torch math (eager)", case, lambda: measure_math(case, compiled=False))
+        run("torch math (compile)", case, lambda: measure_math(case, compiled=True))
 
 
 def variant_rows(run, quick: bool) -> None:
@@ -345,15 +434,26 @@ def host_rows(run, quick: bool) -> None:
 
 
 def sweep_rows(run, quick: bool) -> None:
+    tiles = QUICK_SWEEP_TILES if quick else SWEEP_TILES
     for total_ctx in GRAPH_SIZES + SWEEP_SIZES:
         case = Case(DRAFT, N_LAYERS, total_ctx)
         method = "graph" if total_ctx in GRAPH_SIZES else "do_bench"
-        for tile in sweep_tiles(total_ctx, quick):
+        for tile in tiles[total_ctx]:
             run("triton sweep", case,
-                lambda: measure_kernel(case, method, name="triton sweep", tile=tile, check=False))
+                lambda: measure_kernel(case, method, name="triton sweep", tile=as_tile(*tile)))
+    hd256 = Case(HD256, N_LAYERS, SWEEP_SIZES[0])
+    for tile in HD256_TILES[::3] if quick else HD256_TILES:
+        run("triton hd256 sweep", hd256,
+            lambda: measure_kernel(hd256, "do_bench", name="triton hd256 sweep", tile=as_tile(*tile)))
+    for total_ctx in SWEEP_SIZES[1:] if quick else SWEEP_SIZES:
+        case = Case(DRAFT, N_LAYERS, total_ctx)
+        for tile in FP8_TILES[::2] if quick else FP8_TILES:
+            run("triton cache fp8 sweep", case,
+                lambda: measure_cache(case, "do_bench", fp8=True, tile=as_tile(*tile)))
 
 
-SECTIONS = dict(draft=draft_rows, variants=variant_rows, host=host_rows, sweep=sweep_rows)
+SECTIONS = dict(draft=draft_rows, baselines=baseline_rows, variants=variant_rows, host=host_rows,
+                sweep=sweep_rows)
 
 
 def main(argv=None) -> int:
@@ -370,7 +470,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_torch: no CUDA device; nothing to time.")
         return 0
-    import triton
 
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}; "
           f"draft shape: bf16, {N_LAYERS} layers, {DRAFT.num_kv_heads} KV heads, "
@@ -393,13 +492,19 @@ def main(argv=None) -> int:
                            rows={name: [dataclasses.asdict(r) for r in section] for name, section in rows.items()}),
                       file, indent=1)
     if rows.get("sweep"):
-        print("\n== sweep, best 5 per size ==")
+        print("\n== sweep, best 5 per kind and size ==")
         ranked = []
-        for total_ctx in GRAPH_SIZES + SWEEP_SIZES:
-            timed = sorted((r for r in rows["sweep"] if r.total_ctx == total_ctx and r.seconds),
+        for kind in dict.fromkeys((r.name, r.total_ctx) for r in rows["sweep"]):
+            timed = sorted((r for r in rows["sweep"] if (r.name, r.total_ctx) == kind and r.seconds),
                            key=lambda r: r.seconds)
             ranked += timed[:5]
         print(format_table(ranked, copy_rate))
+    host = {r.name.removeprefix("host: "): r.seconds for r in rows.get("host", []) if r.seconds}
+    if "compiled launcher alone" in host:
+        floor = host["compiled launcher alone"]
+        print("\n== host time above the compiled kernel's own launcher, per call at 16 tokens ==")
+        for way, seconds in host.items():
+            print(f"{way:40s} {seconds * 1e6:8.2f} us  (+{(seconds - floor) * 1e6:.2f} us)")
     summary = [r for name, section in rows.items() if name != "sweep" for r in section]
     print(f"\n== fused KV norm+RoPE, torch/Triton: copy ceiling {copy_rate / 1e9:.0f} GB/s; bar: 85% of "
           f"copy ({0.85 * copy_rate / 1e9:.0f} GB/s) at 4096/32768, <=1.5 us at 16, <=4 us at 256 (graph) ==")

@@ -8,8 +8,8 @@ For token t, layer l and KV head h, with all arithmetic in fp32 and one rounding
     v_out[l, t, h] = kv[t, l, kv_size + h*D : kv_size + (h+1)*D]   (bit-exact)
 
 The kernel reads ``kv`` once and writes each output once; the cos/sin rows and weights
-it also reads are served from L2. It is bandwidth-bound, so each
-program moves a 2-D tile of ``BLOCK_T`` tokens by ``head_dim`` per head with 16-byte
+it also reads are served from L2. It is bandwidth-bound, so each program moves a 3-D
+tile of ``BLOCK_T`` tokens by ``HEADS_PER_PROGRAM`` heads by ``head_dim`` with 16-byte
 vector accesses, and the launcher sizes the tiles from ``total_ctx``. The grid is one
 axis of (token block, layer, head group) with the head group varying fastest: adjacent
 programs then read adjacent bytes of ``kv``, and one axis has room for the
@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fusedkv_torch.launcher import DirectLauncher
 from interop.reference import FP8_E4M3_MAX
 from interop.spec import CallShape, FusedKVConfig, validate_cache_call, validate_call
 
@@ -35,45 +36,55 @@ _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 
 
 @triton.jit
-def _load_rotary_halves(row_ptrs, stride, rows_mask, ROWS: tl.constexpr, PAIR_BLOCK: tl.constexpr,
-                        ROTARY_DIM: tl.constexpr, GPTJ: tl.constexpr):
-    """The two members of every rotated pair as fp32 ``[ROWS, PAIR_BLOCK]`` tiles."""
+def _load_rotary_halves(base_ptrs, stride, mask, TOKENS: tl.constexpr, HEADS: tl.constexpr,
+                        PAIR_BLOCK: tl.constexpr, ROTARY_DIM: tl.constexpr, GPTJ: tl.constexpr):
+    """The two members of every rotated pair as fp32 ``[TOKENS, HEADS, PAIR_BLOCK]`` tiles.
+
+    ``base_ptrs`` and ``mask`` are ``[TOKENS, HEADS, 1]``: where each row's dims start.
+    """
     if GPTJ:
         # Pairs are adjacent: one contiguous load, then a register split of [.., pairs, 2].
-        dims = tl.arange(0, 2 * PAIR_BLOCK)
-        mask = rows_mask[:, None] & (dims < ROTARY_DIM)[None, :]
-        both = tl.load(row_ptrs[:, None] + dims[None, :] * stride, mask=mask, other=0.0)
-        first, second = tl.split(tl.reshape(both.to(tl.float32), [ROWS, PAIR_BLOCK, 2]))
+        dims = tl.arange(0, 2 * PAIR_BLOCK)[None, None, :]
+        both = tl.load(base_ptrs + dims * stride, mask=mask & (dims < ROTARY_DIM), other=0.0)
+        first, second = tl.split(tl.reshape(both.to(tl.float32), [TOKENS, HEADS, PAIR_BLOCK, 2]))
     else:
-        pairs = tl.arange(0, PAIR_BLOCK)
-        mask = rows_mask[:, None] & (pairs < ROTARY_DIM // 2)[None, :]
-        first = tl.load(row_ptrs[:, None] + pairs[None, :] * stride, mask=mask, other=0.0)
-        second = tl.load(row_ptrs[:, None] + (pairs + ROTARY_DIM // 2)[None, :] * stride,
-                         mask=mask, other=0.0)
-        first, second = first.to(tl.float32), second.to(tl.float32)
+        pairs = tl.arange(0, PAIR_BLOCK)[None, None, :]
+        mask = mask & (pairs < ROTARY_DIM // 2)
+        first = tl.load(base_ptrs + pairs * stride, mask=mask, other=0.0).to(tl.float32)
+        second = tl.load(base_ptrs + (pairs + ROTARY_DIM // 2) * stride, mask=mask, other=0.0).to(tl.float32)
     return first, second
 
 
 @triton.jit
-def _store_rotary_halves(row_ptrs, stride, first, second, rows_mask, ROWS: tl.constexpr,
+def _store_rotary_halves(base_ptrs, stride, first, second, mask, TOKENS: tl.constexpr, HEADS: tl.constexpr,
                          PAIR_BLOCK: tl.constexpr, ROTARY_DIM: tl.constexpr, GPTJ: tl.constexpr):
     if GPTJ:
-        dims = tl.arange(0, 2 * PAIR_BLOCK)
-        mask = rows_mask[:, None] & (dims < ROTARY_DIM)[None, :]
-        both = tl.reshape(tl.join(first, second), [ROWS, 2 * PAIR_BLOCK])
-        tl.store(row_ptrs[:, None] + dims[None, :] * stride, both, mask=mask)
+        dims = tl.arange(0, 2 * PAIR_BLOCK)[None, None, :]
+        both = tl.reshape(tl.join(first, second), [TOKENS, HEADS, 2 * PAIR_BLOCK])
+        tl.store(base_ptrs + dims * stride, both, mask=mask & (dims < ROTARY_DIM))
     else:
-        pairs = tl.arange(0, PAIR_BLOCK)
-        mask = rows_mask[:, None] & (pairs < ROTARY_DIM // 2)[None, :]
-        tl.store(row_ptrs[:, None] + pairs[None, :] * stride, first, mask=mask)
-        tl.store(row_ptrs[:, None] + (pairs + ROTARY_DIM // 2)[None, :] * stride, second, mask=mask)
+        pairs = tl.arange(0, PAIR_BLOCK)[None, None, :]
+        mask = mask & (pairs < ROTARY_DIM // 2)
+        tl.store(base_ptrs + pairs * stride, first, mask=mask)
+        tl.store(base_ptrs + (pairs + ROTARY_DIM // 2) * stride, second, mask=mask)
 
 
 @triton.jit
-def _to_destination(values, scale, dtype: tl.constexpr, QUANTIZE: tl.constexpr):
-    """fp32 values in the destination dtype; an fp8 cache holds ``values / scale`` saturated."""
+def _to_destination(values, scale, inverse_scale, dtype: tl.constexpr, QUANTIZE: tl.constexpr):
+    """fp32 values in the destination dtype; an fp8 cache holds ``values / scale`` saturated.
+
+    The quotient is the correctly rounded ``values / scale`` of the reference, without a
+    division per element (an IEEE division is a dozen instructions and a branch, enough
+    to make the fp8 path compute-bound): ``q = values * (1/scale)`` is within an ulp, and
+    one Newton step from the exact residual ``values - q*scale`` (an fma) rounds to the
+    correctly rounded quotient when ``1/scale`` is itself correctly rounded (Markstein's
+    theorem; checked against fp64 division on 8e7 random values). Where the step gives
+    NaN (an infinite quotient) the plain product is kept, so it saturates as the reference.
+    """
     if QUANTIZE:
-        values = tl.div_rn(values, scale)
+        quotient = values * inverse_scale
+        refined = tl.fma(tl.fma(-quotient, scale, values), inverse_scale, quotient)
+        values = tl.where(refined != refined, quotient, refined)
         # Comparisons rather than min/max, which would turn the NaN of a bad position into 448.
         values = tl.where(values > _FP8_MAX, _FP8_MAX, tl.where(values < -_FP8_MAX, -_FP8_MAX, values))
     return values.to(dtype)
@@ -81,26 +92,31 @@ def _to_destination(values, scale, dtype: tl.constexpr, QUANTIZE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["total_ctx", "max_position", "num_slots"])
 def _fused_kv_norm_rope_kernel(
+    # Tensors, then sizes, then strides, then constexprs: the order DirectLauncher expects.
     kv_ptr, k_norm_weight_ptr, eps_ptr, cos_sin_ptr, positions_ptr, slots_ptr,
     k_dst_ptr, v_dst_ptr, k_scale_ptr, v_scale_ptr,
-    total_ctx, n_layers, max_position, num_slots,
+    total_ctx, max_position, num_slots,
     kv_stride_t, kv_stride_l, kv_stride_d,
     weight_stride_l, weight_stride_d, eps_stride, cos_sin_stride_p, cos_sin_stride_d,
     positions_stride, slots_stride, k_scale_stride, v_scale_stride,
     k_stride_l, k_stride_row, k_stride_h, k_stride_d,
     v_stride_l, v_stride_row, v_stride_h, v_stride_d,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, GPTJ: tl.constexpr,
-    TO_SLOTS: tl.constexpr, QUANTIZE: tl.constexpr,
+    N_LAYERS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
+    GPTJ: tl.constexpr, TO_SLOTS: tl.constexpr, QUANTIZE: tl.constexpr,
     BLOCK_T: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
     PAIR_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, HEAD_BLOCK: tl.constexpr,
 ):
+    # Tiles are [BLOCK_T tokens, HEADS_PER_PROGRAM heads, dims]: every load of the program is
+    # issued before any store, whatever the number of heads (a loop over heads could not
+    # move the next head's loads above this head's stores, which might alias them).
     # int64 from the start: offsets into kv or a cache pass 2**31 elements in long contexts.
     pid = tl.program_id(0).to(tl.int64)
     head_groups: tl.constexpr = NUM_HEADS // HEADS_PER_PROGRAM
     head_group = pid % head_groups
-    layer = (pid // head_groups) % n_layers
-    tokens = (pid // (head_groups * n_layers)) * BLOCK_T + tl.arange(0, BLOCK_T)
+    layer = (pid // head_groups) % N_LAYERS
+    tokens = (pid // (head_groups * N_LAYERS)) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_context = tokens < total_ctx
+    heads = (head_group * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM))[None, :, None]
 
     # Loads are masked by the context only and issued early, so no load waits on another
     # (rows skipped in a cache are read for nothing; padding is rare). Stores use `written`.
@@ -111,77 +127,75 @@ def _fused_kv_norm_rope_kernel(
     else:
         rows = tokens
         written = in_context
-    weight_row = k_norm_weight_ptr + layer * weight_stride_l + tl.zeros([1], tl.int64)
-    weight_first, weight_second = _load_rotary_halves(weight_row, weight_stride_d, tl.full([1], 1, tl.int1),
-                                                      1, PAIR_BLOCK, ROTARY_DIM, GPTJ)
+    loaded = in_context[:, None, None]
+    written = written[:, None, None]
+    rows = rows[:, None, None]
+    kv_rows = kv_ptr + tokens[:, None, None] * kv_stride_t + layer * kv_stride_l
+    k_src = kv_rows + heads * (HEAD_DIM * kv_stride_d)
+    first, second = _load_rotary_halves(k_src, kv_stride_d, loaded, BLOCK_T, HEADS_PER_PROGRAM,
+                                        PAIR_BLOCK, ROTARY_DIM, GPTJ)
     if TAIL_BLOCK > 0:
-        tail_dims = ROTARY_DIM + tl.arange(0, TAIL_BLOCK)
-        tail_loaded = in_context[:, None] & (tail_dims < HEAD_DIM)[None, :]
-        tail_written = written[:, None] & (tail_dims < HEAD_DIM)[None, :]
+        tail_dims = ROTARY_DIM + tl.arange(0, TAIL_BLOCK)[None, None, :]
+        tail = tl.load(k_src + tail_dims * kv_stride_d, mask=loaded & (tail_dims < HEAD_DIM),
+                       other=0.0).to(tl.float32)
+    head_dims = tl.arange(0, HEAD_BLOCK)[None, None, :]
+    v = tl.load(kv_rows + (NUM_HEADS + heads) * (HEAD_DIM * kv_stride_d) + head_dims * kv_stride_d,
+                mask=loaded & (head_dims < HEAD_DIM))
+
+    # After the K and V loads, so they are in flight while the cos/sin rows wait for their
+    # positions. A bad position is masked, never read: its K row gets NaN below instead.
+    # The cos and sin halves of a row sit like the two halves of a neox rotation.
+    rotatable = (positions >= 0) & (positions < max_position)
+    cos_sin_rows = (cos_sin_ptr + positions * cos_sin_stride_p)[:, None, None]
+    cos, sin = _load_rotary_halves(cos_sin_rows, cos_sin_stride_d, (in_context & rotatable)[:, None, None],
+                                   BLOCK_T, 1, PAIR_BLOCK, ROTARY_DIM, False)
+    weight_row = k_norm_weight_ptr + layer * weight_stride_l + tl.zeros([1, 1, 1], tl.int64)
+    weight_first, weight_second = _load_rotary_halves(weight_row, weight_stride_d, tl.full([1, 1, 1], 1, tl.int1),
+                                                      1, 1, PAIR_BLOCK, ROTARY_DIM, GPTJ)
+    if TAIL_BLOCK > 0:
         weight_tail = tl.load(k_norm_weight_ptr + layer * weight_stride_l + tail_dims * weight_stride_d,
-                              mask=tail_dims < HEAD_DIM, other=0.0).to(tl.float32)[None, :]
+                              mask=tail_dims < HEAD_DIM, other=0.0).to(tl.float32)
     eps = tl.load(eps_ptr + layer * eps_stride)
     if QUANTIZE:
         k_scale = tl.load(k_scale_ptr + layer * k_scale_stride)
         v_scale = tl.load(v_scale_ptr + layer * v_scale_stride)
+        k_inverse_scale = tl.div_rn(1.0, k_scale)
+        v_inverse_scale = tl.div_rn(1.0, v_scale)
     else:
         k_scale = 1.0
+        k_inverse_scale = 1.0
         v_scale = 1.0
-    head_dims = tl.arange(0, HEAD_BLOCK)
-    v_loaded = in_context[:, None] & (head_dims < HEAD_DIM)[None, :]
-    v_written = written[:, None] & (head_dims < HEAD_DIM)[None, :]
-    kv_rows = kv_ptr + tokens * kv_stride_t + layer * kv_stride_l
-    rotatable = (positions >= 0) & (positions < max_position)
+        v_inverse_scale = 1.0
 
-    for head_in_group in tl.static_range(HEADS_PER_PROGRAM):
-        head = head_group * HEADS_PER_PROGRAM + head_in_group
-        k_src = kv_rows + (head * HEAD_DIM) * kv_stride_d
-        first, second = _load_rotary_halves(k_src, kv_stride_d, in_context,
-                                            BLOCK_T, PAIR_BLOCK, ROTARY_DIM, GPTJ)
-        if TAIL_BLOCK > 0:
-            tail = tl.load(k_src[:, None] + tail_dims[None, :] * kv_stride_d,
-                           mask=tail_loaded, other=0.0).to(tl.float32)
-        # V is loaded before K is stored: a load after a store to a pointer that may alias
-        # it could not be moved ahead of the store by the compiler.
-        v_src = kv_rows + ((NUM_HEADS + head) * HEAD_DIM) * kv_stride_d
-        v = tl.load(v_src[:, None] + head_dims[None, :] * kv_stride_d, mask=v_loaded)
-        if head_in_group == 0:
-            # After the first head's loads, so they are in flight while the cos/sin rows
-            # wait for their positions. A bad position is masked, never read: its row
-            # gets NaN below instead. The cos and sin halves of a row sit like the two
-            # halves of a neox rotation.
-            cos_sin_rows = cos_sin_ptr + positions * cos_sin_stride_p
-            cos, sin = _load_rotary_halves(cos_sin_rows, cos_sin_stride_d, in_context & rotatable,
-                                           BLOCK_T, PAIR_BLOCK, ROTARY_DIM, False)
+    sum_squares = tl.sum(first * first, 2) + tl.sum(second * second, 2)
+    if TAIL_BLOCK > 0:
+        sum_squares += tl.sum(tail * tail, 2)
+    # A product with the constant 1/HEAD_DIM, exact for powers of two and otherwise within
+    # an fp32 ulp of the mean: a division would add a slow-path branch for nothing.
+    inv_rms = tl.math.rsqrt(sum_squares * (1.0 / HEAD_DIM) + eps)
+    inv_rms = tl.where(rotatable[:, None], inv_rms, float("nan"))[:, :, None]
+    first = first * inv_rms * weight_first
+    second = second * inv_rms * weight_second
+    rotated_first = first * cos - second * sin
+    rotated_second = second * cos + first * sin
 
-        sum_squares = tl.sum(first * first, 1) + tl.sum(second * second, 1)
-        if TAIL_BLOCK > 0:
-            sum_squares += tl.sum(tail * tail, 1)
-        inv_rms = tl.math.rsqrt(tl.div_rn(sum_squares, HEAD_DIM * 1.0) + eps)
-        inv_rms = tl.where(rotatable, inv_rms, float("nan"))[:, None]
-        first = first * inv_rms * weight_first
-        second = second * inv_rms * weight_second
-        rotated_first = first * cos - second * sin
-        rotated_second = second * cos + first * sin
-
-        k_dst = k_dst_ptr + layer * k_stride_l + rows * k_stride_row + head * k_stride_h
-        k_dtype = k_dst_ptr.dtype.element_ty
-        _store_rotary_halves(k_dst, k_stride_d,
-                             _to_destination(rotated_first, k_scale, k_dtype, QUANTIZE),
-                             _to_destination(rotated_second, k_scale, k_dtype, QUANTIZE),
-                             written, BLOCK_T, PAIR_BLOCK, ROTARY_DIM, GPTJ)
-        if TAIL_BLOCK > 0:
-            tl.store(k_dst[:, None] + tail_dims[None, :] * k_stride_d,
-                     _to_destination(tail * inv_rms * weight_tail, k_scale, k_dtype, QUANTIZE),
-                     mask=tail_written)
-        if QUANTIZE:
-            v = _to_destination(v.to(tl.float32), v_scale, v_dst_ptr.dtype.element_ty, QUANTIZE)
-        v_dst = v_dst_ptr + layer * v_stride_l + rows * v_stride_row + head * v_stride_h
-        tl.store(v_dst[:, None] + head_dims[None, :] * v_stride_d, v, mask=v_written)
+    k_dtype = k_dst_ptr.dtype.element_ty
+    k_dst = k_dst_ptr + layer * k_stride_l + rows * k_stride_row + heads * k_stride_h
+    _store_rotary_halves(k_dst, k_stride_d,
+                         _to_destination(rotated_first, k_scale, k_inverse_scale, k_dtype, QUANTIZE),
+                         _to_destination(rotated_second, k_scale, k_inverse_scale, k_dtype, QUANTIZE),
+                         written, BLOCK_T, HEADS_PER_PROGRAM, PAIR_BLOCK, ROTARY_DIM, GPTJ)
+    if TAIL_BLOCK > 0:
+        tl.store(k_dst + tail_dims * k_stride_d,
+                 _to_destination(tail * inv_rms * weight_tail, k_scale, k_inverse_scale, k_dtype, QUANTIZE),
+                 mask=written & (tail_dims < HEAD_DIM))
+    if QUANTIZE:
+        v = _to_destination(v.to(tl.float32), v_scale, v_inverse_scale, v_dst_ptr.dtype.element_ty, QUANTIZE)
+    v_dst = v_dst_ptr + layer * v_stride_l + rows * v_stride_row + heads * v_stride_h
+    tl.store(v_dst + head_dims * v_stride_d, v, mask=written & (head_dims < HEAD_DIM))
 
 
 def _next_power_of_2(n: int) -> int:
-    # triton.next_power_of_2 costs microseconds of host time per call; this runs per launch.
     return 1 << (n - 1).bit_length()
 
 
@@ -196,17 +210,43 @@ def default_launch_shape(total_ctx: int, num_kv_heads: int, head_dim: int) -> tu
     return block_tokens, 1, num_warps
 
 
-@functools.lru_cache(maxsize=256)
-def _constexprs(config: FusedKVConfig, block_tokens: int, heads_per_program: int, to_slots: bool,
-                quantize: bool) -> dict:
+@functools.lru_cache(maxsize=4096)
+def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, to_slots: bool, quantize: bool,
+          block_tokens: Optional[int], heads_per_program: Optional[int],
+          num_warps: Optional[int]) -> tuple[int, tuple, int]:
+    """``(grid, constexpr values in kernel order, num_warps)`` of a launch."""
+    default_block, default_heads, default_warps = default_launch_shape(
+        total_ctx, config.num_kv_heads, config.head_dim)
+    block_tokens = block_tokens or default_block
+    heads_per_program = heads_per_program or default_heads
+    if config.num_kv_heads % heads_per_program or heads_per_program & (heads_per_program - 1):
+        raise ValueError(f"Invalid heads_per_program for fused KV materialization: got "
+                         f"{heads_per_program}, expected a power of two that divides {config.num_kv_heads}.")
     tail = config.head_dim - config.rotary_dim
-    return dict(
-        NUM_HEADS=config.num_kv_heads, HEAD_DIM=config.head_dim, ROTARY_DIM=config.rotary_dim,
-        GPTJ=config.rope_style == "gptj", TO_SLOTS=to_slots, QUANTIZE=quantize,
-        BLOCK_T=block_tokens, HEADS_PER_PROGRAM=heads_per_program,
-        PAIR_BLOCK=_next_power_of_2(config.rotary_dim // 2),
-        TAIL_BLOCK=_next_power_of_2(tail) if tail else 0,
-        HEAD_BLOCK=_next_power_of_2(config.head_dim),
+    constexprs = (
+        n_layers, config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style == "gptj",
+        to_slots, quantize, block_tokens, heads_per_program, _next_power_of_2(config.rotary_dim // 2),
+        _next_power_of_2(tail) if tail else 0, _next_power_of_2(config.head_dim),
+    )
+    grid = -(-total_ctx // block_tokens) * n_layers * (config.num_kv_heads // heads_per_program)
+    return grid, constexprs, num_warps or default_warps
+
+
+_launcher = DirectLauncher(_fused_kv_norm_rope_kernel)
+
+
+def _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dst, v_dst, cache_loc, k_scale,
+            v_scale, compiled=None) -> None:
+    grid, constexprs, num_warps = plan
+    _launcher(
+        grid,
+        (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_dst, v_dst, k_scale, v_scale),
+        (kv.shape[0], cos_sin_cache.shape[0], k_dst.shape[1]),
+        (*kv.stride(), *k_norm_weight.stride(), *eps.stride(), *cos_sin_cache.stride(), *positions.stride(),
+         *((0,) if cache_loc is None else cache_loc.stride()),
+         *((0, 0) if k_scale is None else (*k_scale.stride(), *v_scale.stride())),
+         *k_dst.stride(), *v_dst.stride()),
+        constexprs, num_warps=num_warps, compiled=compiled,
     )
 
 
@@ -231,31 +271,13 @@ def launch(
 
     ``k_dst``/``v_dst`` are ``[n_layers, rows, num_kv_heads, head_dim]``: the outputs
     (row t for token t) or, with ``cache_loc``, the caches (row ``cache_loc[t]``).
-    ``block_tokens``, ``heads_per_program`` and ``num_warps`` override
-    :func:`default_launch_shape` (benchmark sweeps).
+    ``block_tokens``, ``heads_per_program`` (a power of two dividing the heads) and
+    ``num_warps`` override :func:`default_launch_shape` (benchmark sweeps).
     """
     total_ctx, n_layers, _ = kv.shape
-    default_block, default_heads, default_warps = default_launch_shape(
-        total_ctx, config.num_kv_heads, config.head_dim)
-    block_tokens = block_tokens or default_block
-    heads_per_program = heads_per_program or default_heads
-    if config.num_kv_heads % heads_per_program:
-        raise ValueError(f"Invalid heads_per_program for fused KV materialization: got "
-                         f"{heads_per_program}, expected a divisor of {config.num_kv_heads}.")
-    to_slots = cache_loc is not None
-    quantize = k_scale is not None
-    grid = (-(-total_ctx // block_tokens) * n_layers * (config.num_kv_heads // heads_per_program),)
-    _fused_kv_norm_rope_kernel[grid](
-        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc,
-        k_dst, v_dst, k_scale, v_scale,
-        total_ctx, n_layers, cos_sin_cache.shape[0], k_dst.shape[1],
-        *kv.stride(), *k_norm_weight.stride(), eps.stride(0), *cos_sin_cache.stride(),
-        positions.stride(0), cache_loc.stride(0) if to_slots else 0,
-        k_scale.stride(0) if quantize else 0, v_scale.stride(0) if quantize else 0,
-        *k_dst.stride(), *v_dst.stride(),
-        **_constexprs(config, block_tokens, heads_per_program, to_slots, quantize),
-        num_warps=num_warps or default_warps,
-    )
+    plan = _plan(config, total_ctx, n_layers, cache_loc is not None, k_scale is not None,
+                 block_tokens, heads_per_program, num_warps)
+    _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dst, v_dst, cache_loc, k_scale, v_scale)
 
 
 # The registered ops: the kernel launch as torch.compile and CUDA graphs see it. A custom op
@@ -296,34 +318,77 @@ def _write_fused_kv_norm_rope_into_cache_fake(kv, k_norm_weight, eps, cos_sin_ca
     return None
 
 
-def _through_registered_op() -> bool:
-    # Eager calls launch directly: the custom-op dispatcher costs microseconds of host time
-    # per call. Traced calls must go through the op so the graph records the mutation.
-    return torch.compiler.is_compiling()
-
-
 # Validation reads only shapes, dtypes and devices (interop.spec), and its Python costs more
-# host time than the launch: an eager call whose metadata passed before is not checked again.
-# Rejected metadata is never remembered, so a bad call raises every time.
-_VALIDATED_CALLS: dict[tuple, CallShape] = {}
-_MAX_VALIDATED_CALLS = 4096
+# host time than the launch: an eager call whose metadata passed before is not checked again,
+# and its launch plan and compiled kernels are kept with it (the metadata names every
+# tensor's dtype and device, as DirectLauncher's ``compiled`` needs). Rejected metadata is
+# never remembered, so a bad call raises every time. Traced calls (torch.compile) validate
+# every time and go through the registered op, so the graph records the mutation; eager
+# calls skip the op, whose dispatcher costs more host time than the launch.
+_PREPARED_CALLS: dict[tuple, tuple[CallShape, tuple, dict]] = {}
+_MAX_PREPARED_CALLS = 4096
 
 
-def _metadata(tensor: Optional[torch.Tensor]) -> tuple:
-    return (None, None, None) if tensor is None else (tensor.shape, tensor.dtype, tensor.device)
-
-
-def _validate_once(validate, metadata: Optional[tuple]) -> CallShape:
-    """``validate()``, skipped when ``metadata`` passed before; ``None`` (traced calls) always validates."""
-    if metadata is None:
-        return validate()
-    call = _VALIDATED_CALLS.get(metadata)
-    if call is None:
+def _prepared(metadata: tuple, validate, to_slots: bool, quantize: bool) -> tuple[CallShape, tuple, dict]:
+    """``(validate(), launch plan, compiled kernels)``, the first two computed once per ``metadata``."""
+    if torch.compiler.is_compiling():
+        return validate(), None, None
+    prepared = _PREPARED_CALLS.get(metadata)
+    if prepared is None:
         call = validate()
-        if len(_VALIDATED_CALLS) >= _MAX_VALIDATED_CALLS:
-            _VALIDATED_CALLS.clear()
-        _VALIDATED_CALLS[metadata] = call
-    return call
+        plan = _plan(call.config, call.total_ctx, call.n_layers, to_slots, quantize, None, None, None)
+        if len(_PREPARED_CALLS) >= _MAX_PREPARED_CALLS:
+            _PREPARED_CALLS.clear()
+        prepared = _PREPARED_CALLS[metadata] = (call, plan, {})
+    return prepared
+
+
+def _prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
+                  rope_style, k_out, v_out) -> tuple[CallShape, tuple, dict]:
+    return _prepared((
+        num_kv_heads, head_dim, rotary_dim, rope_style, kv.shape, kv.dtype, kv.device,
+        k_norm_weight.shape, k_norm_weight.dtype, k_norm_weight.device, eps.shape, eps.dtype, eps.device,
+        cos_sin_cache.shape, cos_sin_cache.dtype, cos_sin_cache.device, positions.shape, positions.dtype,
+        None if k_out is None else (k_out.shape, k_out.dtype, k_out.device),
+        None if v_out is None else (v_out.shape, v_out.dtype, v_out.device),
+    ), lambda: validate_call(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        rotary_dim=rotary_dim, rope_style=rope_style, k_out=k_out, v_out=v_out,
+    ), False, False)
+
+
+def _prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+                        num_kv_heads, head_dim, rotary_dim, rope_style, k_scale,
+                        v_scale) -> tuple[CallShape, tuple, dict]:
+    return _prepared((
+        "cache", num_kv_heads, head_dim, rotary_dim, rope_style, kv.shape, kv.dtype, kv.device,
+        k_norm_weight.shape, k_norm_weight.dtype, k_norm_weight.device, eps.shape, eps.dtype, eps.device,
+        cos_sin_cache.shape, cos_sin_cache.dtype, cos_sin_cache.device, positions.shape, positions.dtype,
+        cache_loc.shape, cache_loc.dtype,
+        k_cache.shape, k_cache.dtype, k_cache.device, v_cache.shape, v_cache.dtype, v_cache.device,
+        None if k_scale is None else (k_scale.shape, k_scale.dtype),
+        None if v_scale is None else (v_scale.shape, v_scale.dtype),
+    ), lambda: validate_cache_call(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
+        k_scale=k_scale, v_scale=v_scale,
+    ), True, k_scale is not None)
+
+
+def check_call(kv, k_norm_weight, eps, cos_sin_cache, positions, *, num_kv_heads: int, head_dim: int,
+               rotary_dim: int, rope_style: str = "neox", k_out=None, v_out=None) -> CallShape:
+    """:func:`interop.spec.validate_call`, remembered per metadata as :func:`fused_kv_norm_rope`
+    does (for callers that must reject a call before launching anything else)."""
+    return _prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim,
+                         rotary_dim, rope_style, k_out, v_out)[0]
+
+
+def check_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, *,
+                     num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str = "neox",
+                     k_scale=None, v_scale=None) -> CallShape:
+    """:func:`interop.spec.validate_cache_call`, remembered as :func:`check_call`."""
+    return _prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache,
+                               v_cache, num_kv_heads, head_dim, rotary_dim, rope_style, k_scale, v_scale)[0]
 
 
 def _check_positions_in_range(positions: torch.Tensor, max_position: int) -> None:
@@ -369,31 +434,25 @@ def fused_kv_norm_rope(
     Returns:
       ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim].
     """
-    def validate():
-        return validate_call(
-            kv, k_norm_weight, eps, cos_sin_cache, positions,
-            num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-            rope_style=rope_style, k_out=k_out, v_out=v_out,
-        )
-
-    call = _validate_once(validate, None if torch.compiler.is_compiling() else (
-        num_kv_heads, head_dim, rotary_dim, rope_style,
-        kv.shape, kv.dtype, kv.device, k_norm_weight.shape, k_norm_weight.dtype, eps.shape, eps.dtype,
-        cos_sin_cache.shape, cos_sin_cache.dtype, positions.shape, positions.dtype,
-        *_metadata(k_out), *_metadata(v_out)))
-    positions = positions.to(kv.device, non_blocking=True)
+    call, plan, compiled = _prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads,
+                                         head_dim, rotary_dim, rope_style, k_out, v_out)
+    if positions.device != kv.device:
+        positions = positions.to(kv.device, non_blocking=True)
     if check_positions and call.total_ctx:
         _check_positions_in_range(positions, call.max_position)
-    k_out = kv.new_empty(call.output_shape) if k_out is None else k_out
-    v_out = kv.new_empty(call.output_shape) if v_out is None else v_out
+    if k_out is None:
+        k_out = kv.new_empty(call.output_shape)
+    if v_out is None:
+        v_out = kv.new_empty(call.output_shape)
     if call.total_ctx == 0:
         return k_out, v_out
-    if _through_registered_op():
+    if plan is None:
         torch.ops.fusedkv.write_fused_kv_norm_rope(
             kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
             num_kv_heads, head_dim, rotary_dim, rope_style)
     else:
-        launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, config=call.config)
+        _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, None, None, None,
+                compiled)
     return k_out, v_out
 
 
@@ -430,30 +489,23 @@ def fused_kv_norm_rope_into_cache(
     Returns:
       ``(k_cache, v_cache)``.
     """
-    def validate():
-        return validate_cache_call(
-            kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-            num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-            rope_style=rope_style, k_scale=k_scale, v_scale=v_scale,
-        )
-
-    call = _validate_once(validate, None if torch.compiler.is_compiling() else (
-        "cache", num_kv_heads, head_dim, rotary_dim, rope_style,
-        kv.shape, kv.dtype, kv.device, k_norm_weight.shape, k_norm_weight.dtype, eps.shape, eps.dtype,
-        cos_sin_cache.shape, cos_sin_cache.dtype, positions.shape, positions.dtype,
-        cache_loc.shape, cache_loc.dtype, *_metadata(k_cache), *_metadata(v_cache),
-        *_metadata(k_scale), *_metadata(v_scale)))
+    call, plan, compiled = _prepare_cache_call(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, num_kv_heads,
+        head_dim, rotary_dim, rope_style, k_scale, v_scale)
     if call.total_ctx == 0:
         return k_cache, v_cache
-    positions = positions.to(kv.device, non_blocking=True)
-    cache_loc = cache_loc.to(kv.device, non_blocking=True)
+    device = kv.device
+    if positions.device != device:
+        positions = positions.to(device, non_blocking=True)
+    if cache_loc.device != device:
+        cache_loc = cache_loc.to(device, non_blocking=True)
     if k_scale is not None:
-        k_scale, v_scale = k_scale.to(kv.device), v_scale.to(kv.device)
-    if _through_registered_op():
+        k_scale, v_scale = k_scale.to(device), v_scale.to(device)
+    if plan is None:
         torch.ops.fusedkv.write_fused_kv_norm_rope_into_cache(
             kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
             num_kv_heads, head_dim, rotary_dim, rope_style, k_scale, v_scale)
     else:
-        launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_cache, v_cache,
-               config=call.config, cache_loc=cache_loc, k_scale=k_scale, v_scale=v_scale)
+        _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_cache, v_cache, cache_loc,
+                k_scale, v_scale, compiled)
     return k_cache, v_cache

@@ -19,9 +19,16 @@ from typing import Callable, Sequence
 
 import torch
 
-from fusedkv_torch.kernel import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
+from fusedkv_torch.kernel import (
+    check_cache_call,
+    check_call,
+    fused_kv_norm_rope,
+    fused_kv_norm_rope_into_cache,
+)
 from interop.materializer_spec import LayerKV, validate_layers, validate_materialize
-from interop.spec import validate_cache_call, validate_call
+
+
+_MAX_WORKSPACE_VIEWS = 4096
 
 
 def _is_capturing(buffer: torch.Tensor) -> bool:
@@ -102,6 +109,7 @@ class FusedKVMaterializer:
     def __init__(self, layers: Sequence[LayerKV], *, cos_sin_cache: torch.Tensor | None = None):
         layers = tuple(layers)
         self.config = validate_layers(layers, cos_sin_cache)
+        self._op_kwargs = self.config.op_kwargs()
         weight = torch.cat([layer.kv_proj_weight for layer in layers])
         device = weight.device
         self.kv_proj_weight = weight
@@ -112,14 +120,18 @@ class FusedKVMaterializer:
         if cos_sin_cache is None:
             cos_sin_cache = torch.from_numpy(layers[0].rope.cos_sin_cache())
         self.cos_sin_cache = cos_sin_cache.to(device)
+        self._weight_t = weight.t()
         self._workspace = torch.empty(0, dtype=weight.dtype, device=device)
+        # Views of the workspace per total_ctx: making them costs more host time than the
+        # rest of a decode step's Python.
+        self._workspace_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._staging = torch.empty(0, dtype=weight.dtype, device=device)
 
     def reserve(self, max_tokens: int, *, staging: bool = False) -> None:
         """Size the GEMM workspace for ``max_tokens``; with ``staging``, also the output
         buffers :meth:`materialize_layers` hands to its callback. Call before capture."""
         numel = max_tokens * self.config.kv_width
-        self._workspace = _grown(self._workspace, numel, "GEMM workspace")
+        self._grow_workspace(numel)
         if staging:
             self._staging = _grown(self._staging, numel, "staging buffer")
 
@@ -129,7 +141,9 @@ class FusedKVMaterializer:
         ``ctx_hidden: float[total_ctx, hidden]``, cast once to the weights' dtype. The
         view is overwritten by the next call on this materializer.
         """
-        return self._project_into(self._workspace_view(ctx_hidden, None), ctx_hidden)
+        kv, gemm_out = self._workspace_view(ctx_hidden, None)
+        self._project_into(gemm_out, ctx_hidden)
+        return kv
 
     def materialize(
         self,
@@ -153,11 +167,11 @@ class FusedKVMaterializer:
         Returns:
           ``(k, v)``, each dtype[n_layers, total_ctx, num_kv_heads, head_dim].
         """
-        kv = self._workspace_view(ctx_hidden, max_position)
+        kv, gemm_out = self._workspace_view(ctx_hidden, max_position)
         op_args = (kv, self.k_norm_weight, self.eps, self.cos_sin_cache, positions)
-        validate_call(*op_args, **self.config.op_kwargs(), k_out=k_out, v_out=v_out)
-        self._project_into(kv, ctx_hidden)
-        return fused_kv_norm_rope(*op_args, **self.config.op_kwargs(), k_out=k_out, v_out=v_out)
+        check_call(*op_args, **self._op_kwargs, k_out=k_out, v_out=v_out)  # before the GEMM launches
+        self._project_into(gemm_out, ctx_hidden)
+        return fused_kv_norm_rope(*op_args, **self._op_kwargs, k_out=k_out, v_out=v_out)
 
     def materialize_layers(
         self,
@@ -209,30 +223,42 @@ class FusedKVMaterializer:
           ``(k_cache, v_cache)`` as given, written in place.
         """
         stacked_k, stacked_v = _stacked_cache(k_cache, "k_cache"), _stacked_cache(v_cache, "v_cache")
-        kv = self._workspace_view(ctx_hidden, max_position)
+        kv, gemm_out = self._workspace_view(ctx_hidden, max_position)
         op_args = (kv, self.k_norm_weight, self.eps, self.cos_sin_cache, positions,
                    cache_loc, stacked_k, stacked_v)
-        static = dict(self.config.op_kwargs(), k_scale=k_scale, v_scale=v_scale)
-        validate_cache_call(*op_args, **static)
-        self._project_into(kv, ctx_hidden)
+        static = dict(self._op_kwargs, k_scale=k_scale, v_scale=v_scale)
+        check_cache_call(*op_args, **static)  # before the GEMM launches
+        self._project_into(gemm_out, ctx_hidden)
         fused_kv_norm_rope_into_cache(*op_args, **static)
         return k_cache, v_cache
 
-    def _workspace_view(self, ctx_hidden: torch.Tensor, max_position: int | None) -> torch.Tensor:
-        """The view of the workspace the GEMM of this call will fill (nothing launched yet)."""
+    def _grow_workspace(self, numel: int) -> None:
+        workspace = _grown(self._workspace, numel, "GEMM workspace")
+        if workspace is not self._workspace:
+            self._workspace, self._workspace_views = workspace, {}
+
+    def _workspace_view(self, ctx_hidden: torch.Tensor,
+                        max_position: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The workspace this call's GEMM will fill (nothing launched yet), as the op's ``kv``
+        and as the GEMM's ``[total_ctx, n_layers * 2*kv_size]`` output."""
         total_ctx = validate_materialize(ctx_hidden, self.config, max_position)
         if ctx_hidden.device != self._workspace.device:
             raise ValueError(
                 "Invalid ctx_hidden device for fused KV materialization: "
                 f"got device={ctx_hidden.device}, expected device={self._workspace.device}."
             )
-        numel = total_ctx * self.config.kv_width
-        self._workspace = _grown(self._workspace, numel, "GEMM workspace")
-        return self._workspace[:numel].view(self.config.kv_shape(total_ctx))
+        views = self._workspace_views.get(total_ctx)
+        if views is None:
+            numel = total_ctx * self.config.kv_width
+            self._grow_workspace(numel)
+            if len(self._workspace_views) >= _MAX_WORKSPACE_VIEWS:
+                self._workspace_views.clear()
+            flat = self._workspace[:numel]
+            views = self._workspace_views[total_ctx] = (
+                flat.view(self.config.kv_shape(total_ctx)), flat.view(total_ctx, self.config.kv_width))
+        return views
 
-    def _project_into(self, kv: torch.Tensor, ctx_hidden: torch.Tensor) -> torch.Tensor:
+    def _project_into(self, gemm_out: torch.Tensor, ctx_hidden: torch.Tensor) -> None:
         # The workspace slice is contiguous and of the GEMM's exact output shape, so
         # mm writes it in place rather than resizing it.
-        hidden = ctx_hidden.to(self.kv_proj_weight.dtype)
-        torch.mm(hidden, self.kv_proj_weight.t(), out=kv.view(kv.shape[0], self.config.kv_width))
-        return kv
+        torch.mm(ctx_hidden.to(self.kv_proj_weight.dtype), self._weight_t, out=gemm_out)

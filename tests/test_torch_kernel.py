@@ -16,9 +16,11 @@ from interop.exchange import to_torch
 from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
 from interop.spec import FusedKVConfig, validate_cache_call, validate_call
-from interop.tolerance import assert_bit_exact, assert_close
+from interop.tolerance import assert_bit_exact, assert_close, assert_fp8_close
 from fusedkv_torch import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
+from fusedkv_torch import kernel as kernel_module
 from fusedkv_torch.kernel import launch
+from fusedkv_torch.launcher import expected_attributes, specialization_key
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -93,15 +95,52 @@ def test_long_context_takes_the_large_tile_path():
     assert_matches_reference(inputs, config, *fused_kv_norm_rope(*on_device(inputs), **static(config)))
 
 
-def test_heads_per_program_must_divide_the_heads():
-    config = FusedKVConfig(3, 64, 64)
+@pytest.mark.parametrize("heads, heads_per_program", [(3, 2), (6, 3)])
+def test_heads_per_program_must_be_a_power_of_two_dividing_the_heads(heads, heads_per_program):
+    config = FusedKVConfig(heads, 64, 64)
     inputs = random_inputs(config, n_layers=1, total_ctx=2, max_position=8)
     kv, *rest = on_device(inputs)
-    k = poisoned((1, 2, 3, 64), kv.dtype)
+    k = poisoned((1, 2, heads, 64), kv.dtype)
     with pytest.raises(ValueError, match=re.escape(
-            "Invalid heads_per_program for fused KV materialization: got 2, expected a divisor of 3.")):
-        launch(kv, *rest, k, k, config=config, heads_per_program=2)
+            f"Invalid heads_per_program for fused KV materialization: got {heads_per_program}, "
+            f"expected a power of two that divides {heads}.")):
+        launch(kv, *rest, k, k, config=config, heads_per_program=heads_per_program)
     assert torch.isnan(k).all()
+
+
+def _tritons_binder():
+    """Triton's own argument binder for the kernel, as ``kernel[grid]`` uses it on an H100-class GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    kernel = kernel_module._fused_kv_norm_rope_kernel
+    if not isinstance(kernel, JITFunction):  # the interpreter's wrapper keeps the jit arguments
+        kernel = JITFunction(kernel.fn, **kernel.kwargs)
+    return create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
+
+
+def test_direct_launch_key_splits_calls_wherever_triton_specializes_them():
+    # DirectLauncher reuses a compiled kernel for every call of the same key, so two calls
+    # Triton would compile differently must never share a key; and the attributes it checks
+    # on a new key must be the binder's.
+    binder = _tritons_binder()
+    rng = np.random.default_rng(0)
+    buffer = torch.zeros(4096, dtype=torch.bfloat16)
+    values = [0, 1, 2, 8, 15, 16, 17, 32, 48, 1024, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32]
+    _, constexprs, _ = kernel_module._plan(REAL, 64, 5, True, True, None, None, None)
+    specializations = {}
+    for _ in range(400):
+        tensors = [None if rng.random() < 0.2 else buffer[int(rng.integers(0, 24)):] for _ in range(10)]
+        plain_ints = [int(v) for v in rng.integers(1, 2**31, 3)]
+        ints = [values[i] for i in rng.integers(0, len(values), 20)]
+        addresses = [None if tensor is None else tensor.data_ptr() for tensor in tensors]
+        _, specialization, _ = binder(*tensors, *plain_ints, *ints, *constexprs, num_warps=4)
+        runtime = tuple(specialization[:33])
+        key = specialization_key(addresses, ints)
+        assert specializations.setdefault(key, runtime) == runtime
+        assert [attribute for _, attribute in runtime] == expected_attributes(addresses, plain_ints, ints)
+    assert len(specializations) > 100
 
 
 def test_registered_ops_write_their_mutated_arguments():
@@ -358,25 +397,21 @@ def test_fp8_cache_holds_scaled_values_rounded_once(style):
     scales[1, 0] = 0.05
     k_cache, v_cache, (expected_k, expected_v) = run_cache_call(inputs, slots, poison, scales, config)
     assert as_numpy(v_cache).astype(np.float32).max() == 448.0
-    assert_fp8_close(k_cache, expected_k)
-    assert_fp8_close(v_cache, expected_v)
+    assert_fp8_close(k_cache, expected_k, triton_interpreter=not ON_GPU)
+    assert_fp8_close(v_cache, expected_v, name="v", triton_interpreter=not ON_GPU)
 
 
-def assert_fp8_close(got, expected):
-    """assert_close, forgiving on CPU only the interpreter's known fp32 -> fp8 carry bug.
-
-    Triton's interpreter drops the carry when rounding moves a value into the next binade
-    in half of the binades (-7.99 becomes -4 instead of -8); on the GPU the hardware
-    conversion rounds like the reference. Only values exactly half a power of two
-    expected are forgiven.
-    """
-    got = as_numpy(got)
-    if not ON_GPU:
-        got32, expected32 = got.astype(np.float32), expected.astype(np.float32)
-        mantissa, _ = np.frexp(expected32)
-        dropped_carry = (got32 * 2 == expected32) & (np.abs(mantissa) == 0.5)
-        got = np.where(dropped_carry, expected, got)
-    assert_close(got, expected)
+def test_fp8_comparison_forgives_only_the_interpreters_dropped_carry():
+    fp8 = numpy_dtype("float8_e4m3fn")
+    expected = np.array([-8.0, 0.5, 3.0, 1.0], np.float32).astype(fp8)
+    dropped = np.array([-4.0, 0.25, 3.0, 1.0], np.float32).astype(fp8)
+    assert_fp8_close(dropped, expected, triton_interpreter=True)
+    with pytest.raises(AssertionError, match="2 of 4 elements outside tolerance"):
+        assert_fp8_close(dropped, expected, triton_interpreter=False)
+    # Half of a value that is not a power of two is a real error, interpreter or not.
+    with pytest.raises(AssertionError, match="1 of 1 elements outside tolerance"):
+        assert_fp8_close(np.array([1.5], np.float32).astype(fp8), np.array([3.0], np.float32).astype(fp8),
+                         triton_interpreter=True)
 
 
 def test_empty_context_leaves_the_cache_untouched():
@@ -538,6 +573,33 @@ def test_cuda_graph_replay_writes_new_cache_slots():
         *inputs.arrays(), new_slots, poison, poison, **static(REAL))
     assert_close(k_cache, expected_k)
     assert_bit_exact(v_cache, expected_v)
+
+
+@gpu
+@pytest.mark.gpu
+def test_repeated_eager_calls_launch_directly_for_every_alignment():
+    # One metadata, three address alignments of kv and k_out (0, 2 and 8 bytes past 16):
+    # the first round compiles each through kernel[grid], the second launches directly.
+    total_ctx, numel = 37, 37 * 5 * 2 * REAL.kv_size
+    shape = REAL.output_shape(5, total_ctx)
+
+    def compiled_launches():
+        return sum(len(compiled) for _, _, compiled in kernel_module._PREPARED_CALLS.values())
+
+    before, counts = compiled_launches(), []
+    for round_ in range(2):
+        for offset in (0, 1, 4):
+            inputs = random_inputs(REAL, n_layers=5, total_ctx=total_ctx, seed=40 + offset + 10 * round_)
+            _, *rest = on_device(inputs)
+            kv_space = torch.zeros(numel + 16, dtype=torch.bfloat16, device=DEVICE)
+            kv = kv_space[offset:offset + numel].view(inputs.kv.shape)
+            kv.copy_(to_torch(inputs.kv))
+            k_out = poisoned((numel // 2 + 16,), kv.dtype)[offset:offset + numel // 2].view(shape)
+            k, v = fused_kv_norm_rope(kv, *rest, **static(REAL), k_out=k_out, v_out=poisoned(shape, kv.dtype))
+            assert_matches_reference(inputs, REAL, k, v)
+        counts.append(compiled_launches())
+    assert kernel_module._launcher.direct
+    assert counts == [before + 3, before + 3]
 
 
 @gpu

@@ -1,0 +1,121 @@
+"""Launching a compiled Triton kernel again without Triton's per-call Python.
+
+``kernel[grid](*args)`` binds and specializes every argument, builds a cache key from
+them, reads its settings and has the driver check every pointer, on every call: tens of
+microseconds of host time for a kernel of some forty arguments, more than the kernel
+itself runs at decode sizes. :class:`DirectLauncher` pays that once per specialization:
+the first call of a new key goes through ``kernel[grid]``, which compiles, launches and
+returns the compiled kernel; later calls of that key hand raw addresses and integers to
+the compiled kernel's own launcher (the call ``JITFunction.run`` ends with, the same on
+Triton 3.6 to 3.9).
+
+The key must decide what Triton specializes a compilation on, which on Triton 3.6 to
+3.9 (``native_specialize_impl``) is: for a tensor its dtype and whether its address is
+a multiple of 16 bytes; for an integer whether it fits 32 bits and, unless the kernel
+lists it in ``do_not_specialize``, whether it is 1 or a multiple of 16; None is a
+constant. The key holds exactly these. The first call of every key also compares them
+with Triton's own binder and, if they ever disagree (a Triton that specializes
+differently), turns direct launches off for good: a wrong guess costs host time,
+never a wrong kernel. Everything unusual takes ``kernel[grid]`` as before: the
+interpreter (``TRITON_INTERPRET=1``), launch hooks (profilers), a size argument past
+32 bits, a tensor off the current device (Triton then raises its own error).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+try:  # what Triton's driver itself uses for the stream; public fallback otherwise
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+except ImportError:  # pragma: no cover - every supported torch has it
+    def _raw_stream(device: int) -> int:
+        return torch.cuda.current_stream(device).cuda_stream
+
+_INT32_END = 2**31
+
+
+def specialization_key(addresses: Sequence[Optional[int]], ints: Sequence[int]) -> tuple:
+    """What Triton specializes ``addresses`` (None for a None tensor) and specialized
+    ``ints`` on, or finer, never coarser: the low four bits of every address; integers
+    below 16 as they are, others up to 32 bits by their remainder modulo 16 (marked 16
+    and up, so apart from the small ones), wider ones as they are."""
+    return (*[address & 15 for address in addresses if address is not None],
+            *[value if value < 16 else 16 | value & 15 if value < _INT32_END else value for value in ints])
+
+
+def expected_attributes(addresses: Sequence[Optional[int]], plain_ints: Sequence[int],
+                        ints: Sequence[int]) -> list:
+    """The attribute Triton's binder gives each runtime argument, by the rules the key assumes."""
+    return ([None if address is None else "" if address & 15 else "D" for address in addresses]
+            + [None] * len(plain_ints)
+            + [1 if value == 1 else "" if value & 15 else "D" for value in ints])
+
+
+class DirectLauncher:
+    """``kernel[grid]`` for a kernel whose parameters are, in order: tensors (or None),
+    integers in ``do_not_specialize``, other integers, then constexprs.
+
+    ``direct`` is False where the kernel is interpreted or direct launches were turned
+    off; benchmarks may set it to time Triton's own launch path.
+    """
+
+    def __init__(self, kernel):
+        from triton import knobs
+
+        self.kernel = kernel
+        self.direct = hasattr(kernel, "device_caches")  # a JITFunction, not the interpreter's
+        self._runtime_knobs = knobs.runtime
+        self._by_signature: dict[tuple, dict] = {}
+
+    def __call__(self, grid: int, tensors: Sequence[Optional[torch.Tensor]], plain_ints: Sequence[int],
+                 ints: Sequence[int], constexprs: tuple, *, num_warps: int,
+                 compiled: Optional[dict] = None) -> None:
+        """Launch ``grid`` programs.
+
+        ``compiled``: the caller's dict for the compiled kernels of launches that agree
+        in every tensor's dtype and device (and None-ness), ``constexprs`` and
+        ``num_warps``; the launcher keeps one per such signature when not given.
+        """
+        knobs = self._runtime_knobs
+        # Profilers hook launches: None, or an empty HookChain (Triton 3.6 on), means none.
+        hooked = (getattr(knobs.launch_enter_hook, "calls", knobs.launch_enter_hook)
+                  or getattr(knobs.launch_exit_hook, "calls", knobs.launch_exit_hook))
+        if self.direct and not hooked and max(plain_ints) < _INT32_END:
+            if compiled is None:
+                signature = (constexprs, num_warps,
+                             *[None if tensor is None else (tensor.dtype, tensor.get_device()) for tensor in tensors])
+                compiled = self._by_signature.setdefault(signature, {})
+            addresses = [None if tensor is None else tensor.data_ptr() for tensor in tensors]
+            key = (torch.cuda.current_device(), specialization_key(addresses, ints))
+            launcher = compiled.get(key)
+            if launcher is not None:
+                run, function, metadata = launcher
+                run(grid, 1, 1, _raw_stream(key[0]), function, metadata, None, None, None,
+                    *addresses, *plain_ints, *ints, *constexprs)
+                return
+            self._compile_and_launch(compiled, key, grid, tensors, addresses, plain_ints, ints, constexprs,
+                                     num_warps)
+            return
+        self.kernel[(grid,)](*tensors, *plain_ints, *ints, *constexprs, num_warps=num_warps)
+
+    def _compile_and_launch(self, compiled, key, grid, tensors, addresses, plain_ints, ints, constexprs,
+                            num_warps) -> None:
+        """``kernel[grid]``, then keep the compiled kernel under ``key`` if Triton agrees with it."""
+        args = (*tensors, *plain_ints, *ints, *constexprs)
+        kernel = self.kernel[(grid,)](*args, num_warps=num_warps)
+        device = key[0]
+        if any(tensor is not None and tensor.get_device() != device for tensor in tensors):
+            return  # Triton launched it on the current device; never launch that directly
+        try:
+            kernel = kernel.result() if hasattr(kernel, "result") else kernel
+            binder = self.kernel.device_caches[device][-1]
+            _, specialization, _ = binder(*args, num_warps=num_warps)
+            expected = expected_attributes(addresses, plain_ints, ints)
+            if [attribute for _, attribute in specialization[:len(expected)]] == expected:
+                compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
+            else:
+                self.direct = False
+        except Exception:  # a Triton whose internals differ: launch through kernel[grid] from now on
+            self.direct = False
