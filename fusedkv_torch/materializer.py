@@ -2,9 +2,9 @@
 
 ``kv = ctx_hidden @ W^T`` with the K/V projection weights of all layers stacked, so
 the GEMM's output ``[total_ctx, n_layers * 2*kv_size]`` is, without a copy, the op's
-``kv: [total_ctx, n_layers, 2*kv_size]``; then :func:`fused_kv_norm_rope` (RMSNorm and
-RoPE on K, V passed through) returns the result, hands it to a per-layer callback, or
-:func:`fused_kv_norm_rope_into_cache` scatters it straight into a paged KV cache.
+``kv: [total_ctx, n_layers, 2*kv_size]``; then the op of ``fusedkv_torch.kernel``
+(RMSNorm and RoPE on K, V passed through) returns the result, hands it to a per-layer
+callback, or scatters it straight into a paged KV cache.
 
 The GEMM writes into a workspace owned by the materializer, grown when a call needs
 more and otherwise reused; :meth:`FusedKVMaterializer.reserve` sizes it ahead of
@@ -19,12 +19,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from fusedkv_torch.kernel import (
-    check_cache_call,
-    check_call,
-    fused_kv_norm_rope,
-    fused_kv_norm_rope_into_cache,
-)
+# The op in its two steps, so that a bad call is rejected before the GEMM launches.
+from fusedkv_torch.kernel import _prepare_cache_call, _prepare_call, _write_cache_call, _write_call
 from interop.materializer_spec import LayerKV, validate_layers, validate_materialize
 
 
@@ -109,7 +105,8 @@ class FusedKVMaterializer:
     def __init__(self, layers: Sequence[LayerKV], *, cos_sin_cache: torch.Tensor | None = None):
         layers = tuple(layers)
         self.config = validate_layers(layers, cos_sin_cache)
-        self._op_kwargs = self.config.op_kwargs()
+        op = self.config.op
+        self._op_static = (op.num_kv_heads, op.head_dim, op.rotary_dim, op.rope_style)
         weight = torch.cat([layer.kv_proj_weight for layer in layers])
         device = weight.device
         self.kv_proj_weight = weight
@@ -169,9 +166,9 @@ class FusedKVMaterializer:
         """
         kv, gemm_out = self._workspace_view(ctx_hidden, max_position)
         op_args = (kv, self.k_norm_weight, self.eps, self.cos_sin_cache, positions)
-        check_call(*op_args, **self._op_kwargs, k_out=k_out, v_out=v_out)  # before the GEMM launches
+        prepared = _prepare_call(*op_args, *self._op_static, k_out, v_out)
         self._project_into(gemm_out, ctx_hidden)
-        return fused_kv_norm_rope(*op_args, **self._op_kwargs, k_out=k_out, v_out=v_out)
+        return _write_call(prepared, *op_args, k_out, v_out, False)
 
     def materialize_layers(
         self,
@@ -226,10 +223,9 @@ class FusedKVMaterializer:
         kv, gemm_out = self._workspace_view(ctx_hidden, max_position)
         op_args = (kv, self.k_norm_weight, self.eps, self.cos_sin_cache, positions,
                    cache_loc, stacked_k, stacked_v)
-        static = dict(self._op_kwargs, k_scale=k_scale, v_scale=v_scale)
-        check_cache_call(*op_args, **static)  # before the GEMM launches
+        prepared = _prepare_cache_call(*op_args, *self._op_static, k_scale, v_scale)
         self._project_into(gemm_out, ctx_hidden)
-        fused_kv_norm_rope_into_cache(*op_args, **static)
+        _write_cache_call(prepared, *op_args, k_scale, v_scale)
         return k_cache, v_cache
 
     def _grow_workspace(self, numel: int) -> None:

@@ -89,7 +89,7 @@ def test_token_tiles_and_head_groups_cover_a_ragged_context(style, block_tokens,
     assert_matches_reference(inputs, config, k, v)
 
 
-def test_long_context_takes_the_large_tile_path():
+def test_long_ragged_context_of_one_head_takes_multi_token_tiles():
     config = FusedKVConfig(1, 64, 32, "neox")
     inputs = random_inputs(config, n_layers=1, total_ctx=2085, max_position=4096, seed=3)
     assert_matches_reference(inputs, config, *fused_kv_norm_rope(*on_device(inputs), **static(config)))
