@@ -211,12 +211,12 @@ def _next_power_of_2(n: int) -> int:
 def default_launch_shape(total_ctx: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
     """``(block_tokens, heads_per_program, num_warps)`` for a call of this size.
 
-    From the H200 sweep (bench_torch, bf16, 5 layers, 8 heads of 128): from 256 tokens
+    From the H200 sweeps (bench_torch, bf16, 5 layers, 8 heads of 128): from 256 tokens
     on, a [1 token, 8 heads, 128] tile with 2 warps (16 elements of K and 16 of V per
-    thread) ran best or within noise of the best at every size (84% of copy at 4096
-    tokens, 95% at 32768; head_dim 256 with 4 warps: 90%), where [32, 1, 128] tiles
-    reached 74% and 87%. Fewer heads take more tokens, for tiles of about 8 rows. At 16
-    tokens one head of one token per program (640 one-warp programs) was fastest.
+    thread) was the best or within noise of it at every size: 4.8 us at 256 tokens, 85%
+    of copy at 4096, 95% at 32768, and the fp8 cache's best (head_dim 256: 4 warps, 90%).
+    Fewer heads take more tokens, for tiles of about 8 rows. At 16 tokens one head of
+    one token per program (640 one-warp programs) was fastest.
     """
     if total_ctx < 64:
         return 1, 1, 1
