@@ -26,11 +26,16 @@ for options in "" "--rotary-dim 64" "--head-dim 256 --rotary-dim 256" "--dtype f
     python3 -m interop check $options 2>&1 | tee -a "$LOGS/check.log" || status=1
 done
 
-for bench in bench_torch bench_jax bench_materializer; do
-    if [ -f "benchmarks/$bench.py" ]; then
-        python3 -m "benchmarks.$bench" $QUICK 2>&1 | tee "$LOGS/$bench.log" || status=1
-    fi
-done
+# The record run leaves out the torch tile sweep (`python3 -m benchmarks.bench_torch
+# --sections sweep` runs it); --quick shortens every benchmark.
+if [ "$QUICK" = "--quick" ]; then
+    TORCH_ARGS=(--quick); JAX_ARGS=(--quick); MATERIALIZER_ARGS=(--quick)
+else
+    TORCH_ARGS=(--sections draft,baselines,variants,host); JAX_ARGS=(--quick); MATERIALIZER_ARGS=()
+fi
+python3 -m benchmarks.bench_torch "${TORCH_ARGS[@]}" 2>&1 | tee "$LOGS/bench_torch.log" || status=1
+python3 -m benchmarks.bench_jax "${JAX_ARGS[@]}" 2>&1 | tee "$LOGS/bench_jax.log" || status=1
+python3 -m benchmarks.bench_materializer "${MATERIALIZER_ARGS[@]}" 2>&1 | tee "$LOGS/bench_materializer.log" || status=1
 
 echo "== summary =="
 tail -1 "$LOGS/pytest.log"
