@@ -36,6 +36,7 @@ fi
 python3 -m benchmarks.bench_torch "${TORCH_ARGS[@]}" 2>&1 | tee "$LOGS/bench_torch.log" || status=1
 python3 -m benchmarks.bench_jax "${JAX_ARGS[@]}" 2>&1 | tee "$LOGS/bench_jax.log" || status=1
 python3 -m benchmarks.bench_materializer "${MATERIALIZER_ARGS[@]}" 2>&1 | tee "$LOGS/bench_materializer.log" || status=1
+python3 -m benchmarks.bench_interop 2>&1 | tee "$LOGS/bench_interop.log" || status=1
 
 echo "== summary =="
 tail -1 "$LOGS/pytest.log"

@@ -188,3 +188,45 @@ def test_check_passes_when_backends_agree(capsys):
     table = capsys.readouterr().out
     assert status == 0, table
     assert table.count(" PASS ") == 3 and table.strip().endswith("ALL PASS")
+
+
+gpu_only = pytest.mark.skipif(DEVICE != "cuda", reason="stream ordering needs a CUDA device")
+GPU_CASE = dict(seed=21, total_ctx=2048, n_layers=5)
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_torch_work_still_queued_is_finished_before_jax_reads():
+    inputs = _inputs(**GPU_CASE)
+    source = to_torch(inputs.kv).to(DEVICE)
+    kv = torch.full_like(source, float("nan"))
+    others = [_as_caller(a, "torch") for a in inputs.arrays()[1:]]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # about 50 ms of a busy stream
+    kv.copy_(source)  # queued behind the sleep: kv is NaN until then
+    k, v = interop.fused_kv_norm_rope(kv, *others, **STATIC, backend="jax")
+    k_ref, v_ref = fused_kv_norm_rope_reference(*inputs.arrays(), **STATIC)
+    assert_close(k, k_ref)
+    assert_bit_exact(v, v_ref)
+
+
+@jax.jit
+def _late_copy(kv, weight):
+    """``kv`` again, but only after about 2 TFLOP of fp32 matrix products on jax's stream."""
+    product = weight
+    for _ in range(16):
+        product = product @ weight
+    return kv + (product[0, 1] * 0).astype(kv.dtype)
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_jax_work_still_queued_is_finished_before_torch_reads():
+    inputs = _inputs(**GPU_CASE)
+    identity = jnp.eye(4096, dtype=jnp.float32)
+    kv = _late_copy(jax.device_put(inputs.kv), identity)  # dispatched, not finished
+    others = [jax.device_put(a) for a in inputs.arrays()[1:]]
+    k, v = interop.fused_kv_norm_rope(kv, *others, **STATIC, backend="torch")
+    k_ref, v_ref = fused_kv_norm_rope_reference(*inputs.arrays(), **STATIC)
+    assert_close(k, k_ref)
+    assert_bit_exact(v, v_ref)
