@@ -18,10 +18,11 @@ from fusedkv_jax import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from interop.arrays import numpy_dtype
 from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
-from interop.spec import FusedKVConfig
+from interop.spec import FusedKVConfig, device_name
 from interop.tolerance import assert_bit_exact, assert_close
 
 ON_GPU = jax.default_backend() == "gpu"
+JAX_DEVICE = device_name(jnp.zeros(1))  # where host (NumPy) arguments are computed on
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
@@ -162,8 +163,8 @@ BAD_CALLS = [
     (dict(k_out=np.zeros((2, 3, 2, 4), np.float32)),
      "Invalid k_out shape for fused KV materialization: got (2, 3, 2, 4), expected (2, 3, 2, 8)."),
     (dict(v_out=np.zeros((2, 3, 2, 8), np.float16)),
-     "Invalid v_out device/dtype for fused KV materialization: got device=cpu, dtype=float16, "
-     "expected device=cpu, dtype=bfloat16."),
+     f"Invalid v_out device/dtype for fused KV materialization: got device={JAX_DEVICE}, "
+     f"dtype=float16, expected device={JAX_DEVICE}, dtype=bfloat16."),
     (dict(positions=np.zeros(4, np.int32)),
      "Invalid positions shape for fused KV materialization: got (4,), expected (3,)."),
     (dict(rope_style="llama"),
