@@ -18,11 +18,12 @@ Given ``k_out``/``v_out`` and where they are written:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 
 from interop.exchange import framework_of, to_caller, to_framework
-from interop.spec import validate_call
+from interop.spec import device_name, validate_call
 
 BACKENDS = ("torch", "jax")
 
@@ -44,6 +45,7 @@ def load_backend(name: str):
     return importlib.import_module(f"fusedkv_{name}")
 
 
+@functools.cache
 def backend_installed(name: str) -> bool:
     return importlib.util.find_spec(name) is not None and (
         name != "torch" or importlib.util.find_spec("triton") is not None)
@@ -95,7 +97,7 @@ def fused_kv_norm_rope(
     Returns:
       ``(k_out, v_out)`` as arrays of ``kv``'s framework.
     """
-    validate_call(
+    _validate_once(
         kv, k_norm_weight, eps, cos_sin_cache, positions,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
         rope_style=rope_style, k_out=k_out, v_out=v_out,
@@ -117,6 +119,32 @@ def fused_kv_norm_rope(
     return _deliver(k_out, k, caller, chosen), _deliver(v_out, v, caller, chosen)
 
 
+# Validation reads only static arguments, shapes, dtypes and devices, and its Python costs
+# about as much host time as the rest of the call: metadata that passed is not checked
+# again. Rejected metadata is never remembered, so a bad call raises every time.
+_VALIDATED: set = set()
+_MAX_VALIDATED = 4096
+
+
+def _metadata(array, with_device: bool = False):
+    if array is None:
+        return None
+    return (type(array), tuple(array.shape), array.dtype, device_name(array) if with_device else None)
+
+
+def _validate_once(kv, k_norm_weight, eps, cos_sin_cache, positions, *, k_out, v_out, **static):
+    key = (tuple(static.items()), _metadata(kv, True), _metadata(k_norm_weight), _metadata(eps),
+           _metadata(cos_sin_cache), _metadata(positions), _metadata(k_out, True),
+           _metadata(v_out, True))
+    if key in _VALIDATED:
+        return
+    validate_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=k_out, v_out=v_out, **static)
+    if len(_VALIDATED) >= _MAX_VALIDATED:
+        _VALIDATED.clear()
+    _VALIDATED.add(key)
+
+
+@functools.cache
 def _torch_on_gpu() -> bool:
     import torch
 

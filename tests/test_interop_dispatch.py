@@ -230,3 +230,15 @@ def test_gpu_jax_work_still_queued_is_finished_before_torch_reads():
     k_ref, v_ref = fused_kv_norm_rope_reference(*inputs.arrays(), **STATIC)
     assert_close(k, k_ref)
     assert_bit_exact(v, v_ref)
+
+
+def test_a_call_that_passed_before_does_not_let_a_bad_one_through():
+    inputs = _inputs(seed=14)
+    args = [_as_caller(a, "torch") for a in inputs.arrays()]
+    good = torch.empty((2, 5, 2, 32), dtype=torch.bfloat16, device=DEVICE)
+    interop.fused_kv_norm_rope(*args, **STATIC, k_out=good, v_out=good.clone(), backend="torch")
+    bad = torch.full((2, 5, 2, 32), 3.0, dtype=torch.float16, device=DEVICE)
+    for _ in range(2):  # rejected metadata is never remembered
+        with pytest.raises(ValueError, match=r"^Invalid k_out device/dtype"):
+            interop.fused_kv_norm_rope(*args, **STATIC, k_out=bad, v_out=good, backend="torch")
+    assert bool((bad == 3.0).all())
