@@ -13,16 +13,12 @@ import sys
 
 import jax
 
-from benchmarks.measure import host_seconds_per_call
+from benchmarks.measure import DRAFT, DRAFT_STATIC, N_LAYERS, host_seconds_per_call
 from interop import dispatch
 from interop.exchange import to_torch
 from interop.inputs import random_inputs
-from interop.spec import FusedKVConfig
 
-DRAFT = FusedKVConfig(num_kv_heads=8, head_dim=128, rotary_dim=128, rope_style="neox")
-N_LAYERS = 5
 TOTAL_CTX = 16
-STATIC = dict(num_kv_heads=8, head_dim=128, rotary_dim=128)
 
 
 def main() -> int:
@@ -41,16 +37,16 @@ def main() -> int:
 
     torch_bare, jax_bare = "torch: fusedkv_torch direct", "jax: fusedkv_jax direct"
     rows = [  # (name, the bare call of the backend that runs, call)
-        (torch_bare, None, lambda: fusedkv_torch.fused_kv_norm_rope(*torch_args, **STATIC)),
+        (torch_bare, None, lambda: fusedkv_torch.fused_kv_norm_rope(*torch_args, **DRAFT_STATIC)),
         ("torch: via interop", torch_bare,
-         lambda: dispatch.fused_kv_norm_rope(*torch_args, **STATIC, backend="torch")),
+         lambda: dispatch.fused_kv_norm_rope(*torch_args, **DRAFT_STATIC, backend="torch")),
         ("jax arrays -> torch backend", torch_bare,
-         lambda: dispatch.fused_kv_norm_rope(*jax_args, **STATIC, backend="torch")),
-        (jax_bare, None, lambda: fusedkv_jax.fused_kv_norm_rope(*jax_args, **STATIC)),
+         lambda: dispatch.fused_kv_norm_rope(*jax_args, **DRAFT_STATIC, backend="torch")),
+        (jax_bare, None, lambda: fusedkv_jax.fused_kv_norm_rope(*jax_args, **DRAFT_STATIC)),
         ("jax: via interop", jax_bare,
-         lambda: dispatch.fused_kv_norm_rope(*jax_args, **STATIC, backend="jax")),
+         lambda: dispatch.fused_kv_norm_rope(*jax_args, **DRAFT_STATIC, backend="jax")),
         ("torch tensors -> jax backend", jax_bare,
-         lambda: dispatch.fused_kv_norm_rope(*torch_args, **STATIC, backend="jax")),
+         lambda: dispatch.fused_kv_norm_rope(*torch_args, **DRAFT_STATIC, backend="jax")),
     ]
     seconds = {}
     for name, _, call in rows:

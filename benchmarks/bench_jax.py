@@ -36,6 +36,9 @@ import numpy as np
 
 from benchmarks.measure import (
     COPY_BYTES,
+    DRAFT,
+    MAX_POSITION,
+    N_LAYERS,
     Row,
     copy_bytes_per_second,
     format_table,
@@ -48,11 +51,8 @@ from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_
 from interop.spec import FusedKVConfig
 from interop.tolerance import bit_mismatches, compare
 
-DRAFT = FusedKVConfig(num_kv_heads=8, head_dim=128, rotary_dim=128, rope_style="neox")
-N_LAYERS = 5
 SIZES = (16, 256, 4096, 32768)
 SWEEP_SIZES = (16, 256, 4096, 32768)
-MAX_POSITION = 32768
 # The NumPy reference of a whole paged cache is slow past this many tokens.
 CACHE_CHECK_LIMIT = 4096
 

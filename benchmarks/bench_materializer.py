@@ -42,6 +42,10 @@ import numpy as np
 import torch
 
 from benchmarks.measure import (
+    DRAFT,
+    DRAFT_STATIC,
+    MAX_POSITION,
+    N_LAYERS,
     Row,
     copy_bytes_per_second,
     format_table,
@@ -55,20 +59,14 @@ from fusedkv_torch.materializer import FusedKVMaterializer
 from interop.exchange import to_torch
 from interop.materializer_spec import random_case, stacked_op_arrays
 from interop.reference import fused_kv_norm_rope_reference
-from interop.spec import FusedKVConfig
 from interop.tolerance import bit_mismatches, compare
 
-DRAFT = FusedKVConfig(num_kv_heads=8, head_dim=128, rotary_dim=128, rope_style="neox")
-N_LAYERS = 5
 HIDDEN = 4096
 NUM_SLOTS = 200_000
 SIZES = (16, 512, 8192)
 EAGER_SIZE = 16
-MAX_POSITION = 32768
 CHECKED_TOKENS = 64
 DEVICE = "cuda"
-STATIC = dict(num_kv_heads=DRAFT.num_kv_heads, head_dim=DRAFT.head_dim,
-              rotary_dim=DRAFT.rotary_dim, rope_style=DRAFT.rope_style)
 
 
 @dataclasses.dataclass
@@ -120,7 +118,7 @@ class Bench:
 
     def reference_rest(self, inputs: InputSet, kv=None):
         k, v = fused_kv_norm_rope(inputs.kv if kv is None else kv, *self.op_arrays, inputs.positions,
-                                  **STATIC)
+                                  **DRAFT_STATIC)
         write = self.write_layer_kv(inputs.cache_loc)
         for layer in range(N_LAYERS):
             write(layer, k[layer], v[layer])
@@ -130,11 +128,11 @@ class Bench:
 
     def op_alone(self, inputs: InputSet):
         """The fused op into a temporary, nothing else: what the scatter's rest is held to."""
-        fused_kv_norm_rope(inputs.kv, *self.op_arrays, inputs.positions, **STATIC)
+        fused_kv_norm_rope(inputs.kv, *self.op_arrays, inputs.positions, **DRAFT_STATIC)
 
     def scatter_rest(self, inputs: InputSet):
         fused_kv_norm_rope_into_cache(inputs.kv, *self.op_arrays, inputs.positions, inputs.cache_loc,
-                                      self.k_pool, self.v_pool, **STATIC)
+                                      self.k_pool, self.v_pool, **DRAFT_STATIC)
 
     def scatter_total(self, inputs: InputSet):
         self.materializer.materialize_into_cache(inputs.ctx_hidden, inputs.positions,
@@ -158,7 +156,7 @@ def check_slots(case, kv, positions, cache_loc, k_pool, v_pool) -> str:
     tokens = min(CHECKED_TOKENS, kv.shape[0])
     slots = cache_loc[:tokens]
     k_expected, v_expected = fused_kv_norm_rope_reference(
-        kv[:tokens], *stacked_op_arrays(case.layers), positions[:tokens], **STATIC)
+        kv[:tokens], *stacked_op_arrays(case.layers), positions[:tokens], **DRAFT_STATIC)
     k_result = compare(k_pool[:, slots], k_expected)
     v_count, _ = bit_mismatches(v_pool[:, slots], v_expected)
     if k_result.ok and not v_count:

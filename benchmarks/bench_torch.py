@@ -37,6 +37,9 @@ import triton
 import triton.language as tl
 
 from benchmarks.measure import (
+    DRAFT,
+    MAX_POSITION,
+    N_LAYERS,
     Row,
     copy_bytes_per_second,
     do_bench_seconds,
@@ -56,12 +59,9 @@ from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_
 from interop.spec import FusedKVConfig
 from interop.tolerance import bit_mismatches, compare
 
-DRAFT = FusedKVConfig(num_kv_heads=8, head_dim=128, rotary_dim=128, rope_style="neox")
-N_LAYERS = 5
 SIZES = (16, 256, 4096, 32768)
 GRAPH_SIZES = (16, 256)
 SWEEP_SIZES = (4096, 32768)
-MAX_POSITION = 32768
 CHECKED_ROWS = 64
 DEVICE = "cuda"
 

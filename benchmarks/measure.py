@@ -26,6 +26,16 @@ import time
 import traceback
 from typing import Callable
 
+from interop.spec import FusedKVConfig
+
+# The draft every benchmark measures (DESIGN.md section 4): a 5-layer draft of a
+# Qwen3-8B-sized target, bf16, positions below 32768.
+DRAFT = FusedKVConfig(num_kv_heads=8, head_dim=128, rotary_dim=128, rope_style="neox")
+N_LAYERS = 5
+MAX_POSITION = 32768
+DRAFT_STATIC = dict(num_kv_heads=DRAFT.num_kv_heads, head_dim=DRAFT.head_dim,
+                    rotary_dim=DRAFT.rotary_dim, rope_style=DRAFT.rope_style)
+
 L2_BYTES = 60 * 2**20  # H200
 # Rotate inputs until the working set is about twice the L2 cache.
 ROTATION_BYTES = 2 * L2_BYTES
@@ -137,6 +147,4 @@ def copy_bytes_per_second(nbytes: int = COPY_BYTES) -> float:
 
     source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
     destination = torch.empty_like(source)
-    seconds = do_bench_seconds(lambda: destination.copy_(source))
-    del source, destination
-    return 2 * nbytes / seconds
+    return 2 * nbytes / do_bench_seconds(lambda: destination.copy_(source))

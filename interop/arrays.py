@@ -5,8 +5,6 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from interop.spec import dtype_name
-
 _NUMPY_DTYPES = {
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
     "float16": np.dtype(np.float16),
