@@ -175,3 +175,13 @@ def test_scales_are_refused_for_a_cache_that_is_not_fp8():
     _expect_cache("Invalid k_scale for fused KV materialization: got a scale, expected None for "
                   "a cache that is not float8_e4m3fn.",
                   **_cache_args(), **STATIC, k_scale=np.ones(2, np.float32))
+
+
+def test_importing_interop_imports_neither_torch_nor_jax():
+    import subprocess
+    import sys
+
+    probe = ("import sys, interop, interop.cli, interop.dispatch, interop.materializer_spec; "
+             "print(sorted(m for m in ('torch', 'jax', 'triton') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]"
