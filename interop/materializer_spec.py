@@ -28,7 +28,6 @@ from interop.reference import (
     rope_cos_sin_cache,
 )
 from interop.spec import FusedKVConfig, dtype_name, validate_call
-from interop.tolerance import Tolerance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,20 +179,6 @@ def validate_materialize(ctx_hidden, config: MaterializerConfig, max_position: i
     return shape[0]
 
 
-# The framework rounds the GEMM's kv to the weights' dtype before the op; the reference
-# keeps it fp32. For bfloat16 that moves each kv element by up to half an ulp, 2**-8 of
-# itself, which the RMSNorm carries into normalized K unchanged in relative terms (its
-# mean over head_dim averages the rounding out). RoPE combines two such elements, each
-# |kn| < 8 for weights near 1, so a result that cancels to near zero is off by up to
-# 2 * 8 * 2**-8 = 2**-4 absolute, while one that does not stays within 2 ulp. Measured
-# at real sizes (2.6M elements): at most 0.028.
-END_TO_END_TOLERANCE = Tolerance(
-    ulps=2, atol=2.0 ** -4,
-    reason="the GEMM's kv is rounded to bfloat16 before the op in the framework, not in the "
-    "fp32 reference; RoPE adds two such errors of up to |kn| * 2**-8 each",
-)
-
-
 @dataclasses.dataclass(frozen=True)
 class MaterializerCase:
     """Host (NumPy) arguments of one materializer and one call on it."""
@@ -260,7 +245,7 @@ def materializer_reference(layers, ctx_hidden, positions, cos_sin_cache=None):
     """The materializer in NumPy: kv = ctx_hidden @ W_l^T in fp32 for every layer, then the op.
 
     ``ctx_hidden`` is first rounded to the weights' dtype, as the materializers do; kv
-    is not (compare with :data:`END_TO_END_TOLERANCE`). Returns ``(k, v)``, each
+    is not (compare with :data:`interop.tolerance.END_TO_END_TOLERANCE`). Returns ``(k, v)``, each
     weights-dtype[n_layers, total_ctx, num_kv_heads, head_dim].
     """
     config = validate_layers(layers, cos_sin_cache)

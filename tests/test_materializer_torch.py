@@ -15,18 +15,14 @@ import torch
 from fusedkv_torch.materializer import FusedKVMaterializer
 from interop.arrays import as_numpy
 from interop.exchange import to_torch
-from interop.materializer_spec import (
-    END_TO_END_TOLERANCE,
-    random_case,
-    stacked_op_arrays,
-)
+from interop.materializer_spec import random_case, stacked_op_arrays
 from interop.reference import (
     fused_kv_norm_rope_into_cache_reference,
     fused_kv_norm_rope_reference,
     rope_cos_sin_cache,
 )
 from interop.spec import FusedKVConfig
-from interop.tolerance import assert_bit_exact, assert_close, assert_fp8_close
+from interop.tolerance import END_TO_END_TOLERANCE, assert_bit_exact, assert_close, assert_fp8_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 OP = FusedKVConfig(num_kv_heads=2, head_dim=32, rotary_dim=32)
