@@ -44,12 +44,12 @@ from benchmarks.measure import (
     format_table,
     guarded,
     input_sets_needed,
+    verdict,
 )
 from fusedkv_jax import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
 from interop.spec import FusedKVConfig
-from interop.tolerance import bit_mismatches, compare
 
 SIZES = (16, 256, 4096, 32768)
 SWEEP_SIZES = (16, 256, 4096, 32768)
@@ -177,17 +177,8 @@ def _expected(total_ctx: int) -> tuple[np.ndarray, np.ndarray]:
         rotary_dim=DRAFT.rotary_dim, rope_style=DRAFT.rope_style)
 
 
-def _verdict(k, v, k_expected, v_expected, *, v_exact: bool = True) -> str:
-    k_result = compare(k, k_expected)
-    v_result = compare(v, v_expected, name="v") if not v_exact else None
-    v_count = bit_mismatches(v, v_expected)[0] if v_exact else v_result.n_bad
-    if k_result.ok and not v_count:
-        return "ok"
-    return "FAIL: " + (k_result.report() if not k_result.ok else f"v: {v_count} elements differ")
-
-
 def _check(k, v, total_ctx: int) -> str:
-    return _verdict(k, v, *_expected(total_ctx))
+    return verdict(k, v, *_expected(total_ctx))
 
 
 def measure_kernel(total_ctx: int, steps: int, *, check: bool, **tile) -> Row:
@@ -205,13 +196,13 @@ def measure_kernel(total_ctx: int, steps: int, *, check: bool, **tile) -> Row:
         state["k"], state["v"] = step(*state["inputs"], k_out=state["k"], v_out=state["v"])
         return state["k"], state["v"]
 
-    verdict = "-"
+    result = "-"
     if check:
         launch(0)
-        verdict = _check(sets[0]["k"], sets[0]["v"], total_ctx)
+        result = _check(sets[0]["k"], sets[0]["v"], total_ctx)
     seconds, method = device_seconds(launch, steps)
     label = ", ".join(f"{name}={value}" for name, value in tile.items()) or "default"
-    return Row("pallas", total_ctx, label, seconds, 2 * host[0].nbytes, method, len(sets), verdict)
+    return Row("pallas", total_ctx, label, seconds, 2 * host[0].nbytes, method, len(sets), result)
 
 
 def measure_cache(total_ctx: int, steps: int, *, fp8: bool) -> Row:
@@ -236,26 +227,26 @@ def measure_cache(total_ctx: int, steps: int, *, fp8: bool) -> Row:
         state["k"], state["v"] = step(*state["inputs"], state["slots"], state["k"], state["v"], **scales)
         return state["k"], state["v"]
 
-    verdict = "-"
+    result = "-"
     if total_ctx <= CACHE_CHECK_LIMIT:
         launch(0)
         empty = np.zeros(shape, jnp.dtype(dtype))
         expected = fused_kv_norm_rope_into_cache_reference(
             *host, host_slots[0], empty, empty, **static, **host_scales)
-        verdict = _verdict(sets[0]["k"], sets[0]["v"], *expected, v_exact=not fp8)
+        result = verdict(sets[0]["k"], sets[0]["v"], *expected, v_exact=not fp8)
     seconds, method = device_seconds(launch, steps)
     written = host[0].nbytes // (2 if fp8 else 1)
     name = "pallas cache fp8" if fp8 else "pallas cache"
-    return Row(name, total_ctx, "default", seconds, host[0].nbytes + written, method, len(sets), verdict)
+    return Row(name, total_ctx, "default", seconds, host[0].nbytes + written, method, len(sets), result)
 
 
 def measure_jnp(total_ctx: int, steps: int) -> Row:
     host, device_sets = _input_sets(total_ctx)
     step = jax.jit(functools.partial(jnp_neox_baseline, config=DRAFT))
     k, v = step(*device_sets[0])
-    verdict = _check(k, v, total_ctx)
+    result = _check(k, v, total_ctx)
     seconds, method = device_seconds(lambda i: step(*device_sets[i % len(device_sets)]), steps)
-    return Row("jnp (jit)", total_ctx, "-", seconds, 2 * host[0].nbytes, method, len(device_sets), verdict)
+    return Row("jnp (jit)", total_ctx, "-", seconds, 2 * host[0].nbytes, method, len(device_sets), result)
 
 
 def sweep_tiles(total_ctx: int, quick: bool) -> list[dict]:

@@ -53,13 +53,13 @@ from benchmarks.measure import (
     guarded,
     host_seconds_per_call,
     input_sets_needed,
+    verdict,
 )
 from fusedkv_torch import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_torch.materializer import FusedKVMaterializer
 from interop.exchange import to_torch
 from interop.materializer_spec import random_case, stacked_op_arrays
 from interop.reference import fused_kv_norm_rope_reference
-from interop.tolerance import bit_mismatches, compare
 
 HIDDEN = 4096
 NUM_SLOTS = 200_000
@@ -157,11 +157,7 @@ def check_slots(case, kv, positions, cache_loc, k_pool, v_pool) -> str:
     slots = cache_loc[:tokens]
     k_expected, v_expected = fused_kv_norm_rope_reference(
         kv[:tokens], *stacked_op_arrays(case.layers), positions[:tokens], **DRAFT_STATIC)
-    k_result = compare(k_pool[:, slots], k_expected)
-    v_count, _ = bit_mismatches(v_pool[:, slots], v_expected)
-    if k_result.ok and not v_count:
-        return "ok"
-    return "FAIL: " + (k_result.report() if not k_result.ok else f"v: {v_count} elements differ")
+    return verdict(k_pool[:, slots], v_pool[:, slots], k_expected, v_expected)
 
 
 def _bytes(total_ctx: int) -> tuple[int, int]:
@@ -253,9 +249,9 @@ def jax_rows(case, *, quick: bool) -> list[Row]:
             launch_scatter(0)
             return check_slots(case, project(materializer, hidden), positions, cache_loc, *caches)
 
-        def timed(name, part, launch, nbytes, verdict="-"):
+        def timed(name, part, launch, nbytes, result="-"):
             seconds, method = device_seconds(launch, steps)
-            return Row(name, total_ctx, part, seconds, nbytes, method, 1, verdict)
+            return Row(name, total_ctx, part, seconds, nbytes, method, 1, result)
 
         rows.append(guarded("jax gemm", total_ctx, "project", lambda: timed(
             "jax gemm", "project", lambda i: project(materializer, hidden), gemm_bytes)))

@@ -48,6 +48,7 @@ from benchmarks.measure import (
     guarded,
     host_seconds_per_call,
     input_sets_needed,
+    verdict,
 )
 from fusedkv_torch import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_torch import kernel as kernel_module
@@ -57,7 +58,6 @@ from interop.exchange import to_torch
 from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
 from interop.spec import FusedKVConfig
-from interop.tolerance import bit_mismatches, compare
 
 SIZES = (16, 256, 4096, 32768)
 GRAPH_SIZES = (16, 256)
@@ -145,11 +145,7 @@ def check_against_reference(case: Case, inputs: InputSet, k: torch.Tensor, v: to
     index = torch.as_tensor(rows, device=DEVICE)
     expected_k, expected_v = fused_kv_norm_rope_reference(
         *sampled_host_args(inputs, rows), **case.static())
-    k_result = compare(k.index_select(1, index), expected_k)
-    v_bad, _ = bit_mismatches(v.index_select(1, index), expected_v)
-    if not k_result.ok:
-        return f"FAIL: {k_result.report()}"
-    return f"FAIL: v differs in {v_bad} elements" if v_bad else "ok"
+    return verdict(k.index_select(1, index), v.index_select(1, index), expected_k, expected_v)
 
 
 def poison_and_check(case: Case, sets: list[InputSet], call) -> str:
@@ -191,10 +187,10 @@ def measure_kernel(case: Case, method: str, *, name: str = "triton", tile: dict 
             s = sets[i]
             return fused_kv_norm_rope(*s.args(), **case.static(), k_out=s.k_out, v_out=s.v_out)
 
-    verdict = poison_and_check(case, sets, call) if check else "-"
+    result = poison_and_check(case, sets, call) if check else "-"
     seconds = time_call(call, count, method)
     return Row(name, case.total_ctx, tile_label(case, tile), seconds, 2 * case.kv_bytes(), method,
-               count, verdict)
+               count, result)
 
 
 def torch_reference_math(kv, k_norm_weight, eps, cos_sin_cache, positions, *, config: FusedKVConfig):
@@ -230,10 +226,10 @@ def measure_math(case: Case, *, compiled: bool) -> Row:
     def call(i):
         return math_fn(*sets[i].args(), config=case.config)
 
-    verdict = check_against_reference(case, sets[0], *call(0))
+    result = check_against_reference(case, sets[0], *call(0))
     seconds = time_call(call, count, "do_bench")
     name = "torch math (compile)" if compiled else "torch math (eager)"
-    return Row(name, case.total_ctx, "-", seconds, 2 * case.kv_bytes(), "do_bench", count, verdict)
+    return Row(name, case.total_ctx, "-", seconds, 2 * case.kv_bytes(), "do_bench", count, result)
 
 
 def measure_cache(case: Case, method: str, *, fp8: bool, tile: dict | None = None) -> Row:
@@ -269,14 +265,13 @@ def measure_cache(case: Case, method: str, *, fp8: bool, tile: dict | None = Non
     expected_k, expected_v = fused_kv_norm_rope_into_cache_reference(
         *sampled_host_args(sets[0], rows), np.arange(len(rows)), compact, compact,
         **case.static(), **{k: as_numpy(v) for k, v in scales.items()})
-    k_result = compare(caches[0][0].index_select(1, sampled_slots), expected_k)
-    v_bad, _ = bit_mismatches(caches[0][1].index_select(1, sampled_slots), expected_v)
-    verdict = "ok" if k_result.ok and not v_bad else f"FAIL: {k_result.report()}; v bad {v_bad}"
+    check = verdict(caches[0][0].index_select(1, sampled_slots), caches[0][1].index_select(1, sampled_slots),
+                    expected_k, expected_v)
     seconds = time_call(call, count, method)
     written = case.kv_bytes() // (2 if fp8 else 1)
     name = "triton cache fp8" if fp8 else "triton cache"
     return Row(name, case.total_ctx, tile_label(case, tile), seconds, case.kv_bytes() + written, method,
-               count, verdict)
+               count, check)
 
 
 @triton.jit

@@ -27,6 +27,7 @@ import traceback
 from typing import Callable
 
 from interop.spec import FusedKVConfig
+from interop.tolerance import bit_mismatches, compare
 
 # The draft every benchmark measures (DESIGN.md section 4): a 5-layer draft of a
 # Qwen3-8B-sized target, bf16, positions below 32768.
@@ -59,6 +60,19 @@ class Row:
 
     def gbps(self) -> float | None:
         return None if not self.seconds else self.bytes_moved / self.seconds / 1e9
+
+
+def verdict(k, v, k_expected, v_expected, *, v_exact: bool = True) -> str:
+    """A row's check column: ``'ok'``, or ``'FAIL: '`` and the worst K element or V's count.
+
+    K is held to the tolerance table; V bit for bit, or (``v_exact`` False, for an fp8
+    cache the GPU quantizes with its own division) to the table too.
+    """
+    k_result = compare(k, k_expected)
+    v_bad = bit_mismatches(v, v_expected)[0] if v_exact else compare(v, v_expected, name="v").n_bad
+    if k_result.ok and not v_bad:
+        return "ok"
+    return "FAIL: " + (k_result.report() if not k_result.ok else f"v: {v_bad} elements differ")
 
 
 def input_sets_needed(bytes_per_set: int) -> int:
