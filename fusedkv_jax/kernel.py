@@ -46,6 +46,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from interop.exchange import narrow_for_jax
 from interop.reference import FP8_E4M3_MAX
 from interop.spec import FusedKVConfig, validate_cache_call, validate_call
 
@@ -179,16 +180,17 @@ def _tile(total_ctx, n_layers, num_kv_heads, head_dim, block_tokens, block_heads
     block_dim = pl.next_power_of_2(head_dim)
     if block_heads is None:
         block_heads = pl.next_power_of_2(num_kv_heads)
+    def programs(block_tokens):
+        return pl.cdiv(total_ctx, block_tokens) * n_layers * pl.cdiv(num_kv_heads, block_heads)
+
     if block_tokens is None:
         block_tokens = max(1, _TILE_ELEMENTS // (block_heads * block_dim))
-        head_blocks = pl.cdiv(num_kv_heads, block_heads)
-        while block_tokens > 1 and (
-                pl.cdiv(total_ctx, block_tokens) * n_layers * head_blocks < _MIN_PROGRAMS):
+        while block_tokens > 1 and programs(block_tokens) < _MIN_PROGRAMS:
             block_tokens //= 2
     if num_warps is None:
         tile = block_tokens * block_heads * block_dim
         elements_per_thread = _ELEMENTS_PER_THREAD
-        if pl.cdiv(total_ctx, block_tokens) * n_layers * pl.cdiv(num_kv_heads, block_heads) < _MIN_PROGRAMS:
+        if programs(block_tokens) < _MIN_PROGRAMS:
             # Too few programs to fill the GPU: spread each over more threads so more
             # loads are in flight at once (H200, 16 tokens: 1.34 us with 4 warps, 2.03 with 2).
             elements_per_thread //= 2
@@ -255,19 +257,6 @@ def _on_default_device(array):
     return jnp.asarray(array) if isinstance(array, np.ndarray) else array
 
 
-def narrow_host_indices(indices, size: int):
-    """A host int64 array as int32, out-of-range values pinned just outside ``[0, size)``.
-
-    With x64 off, jax would wrap int64 to int32, which can carry an out-of-range
-    index into range; pinning first keeps it out. Device arrays are already int32
-    there (jax never holds int64 with x64 off) and pass unchanged.
-    """
-    if (isinstance(indices, np.ndarray) and indices.dtype == np.int64
-            and jax.dtypes.canonicalize_dtype(np.int64) != np.int64):
-        return np.clip(indices, -1, size).astype(np.int32)
-    return indices
-
-
 def fused_kv_norm_rope(
     kv,
     k_norm_weight,
@@ -329,7 +318,7 @@ def fused_kv_norm_rope(
     if call.total_ctx == 0:
         empty = jnp.empty(call.output_shape, kv.dtype)
         return (empty if k_out is None else k_out), (empty if v_out is None else v_out)
-    positions = narrow_host_indices(positions, call.max_position)
+    positions = narrow_for_jax(positions)
     return _launch(
         kv, k_norm_weight, eps, cos_sin_cache, positions, None, k_out, v_out, None, None,
         config=call.config, block_tokens=tile[0], block_heads=tile[1], num_warps=tile[2],
@@ -387,8 +376,8 @@ def fused_kv_norm_rope_into_cache(
                  block_tokens, block_heads, num_warps)
     if call.total_ctx == 0:
         return k_cache, v_cache
-    positions = narrow_host_indices(positions, call.max_position)
-    cache_loc = narrow_host_indices(cache_loc, int(k_cache.shape[1]))
+    positions = narrow_for_jax(positions)
+    cache_loc = narrow_for_jax(cache_loc)
     return _launch(
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
         k_scale, v_scale,

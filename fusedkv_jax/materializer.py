@@ -22,12 +22,8 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from fusedkv_jax.kernel import (
-    narrow_host_indices,
-    fused_kv_norm_rope,
-    fused_kv_norm_rope_into_cache,
-)
-from interop.exchange import INT32_MAX
+from fusedkv_jax.kernel import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
+from interop.exchange import narrow_for_jax
 from interop.materializer_spec import LayerKV, validate_layers, validate_materialize
 
 
@@ -97,7 +93,7 @@ class FusedKVMaterializer:
           ``(k, v)``, each dtype[n_layers, total_ctx, num_kv_heads, head_dim].
         """
         validate_materialize(ctx_hidden, self.config, max_position)
-        return _materialize(self, ctx_hidden, narrow_host_indices(positions, INT32_MAX))
+        return _materialize(self, ctx_hidden, narrow_for_jax(positions))
 
     def materialize_layers(
         self,
@@ -155,8 +151,8 @@ class FusedKVMaterializer:
                 )
         validate_materialize(ctx_hidden, self.config, max_position)
         return _materialize_into_cache(
-            self, ctx_hidden, narrow_host_indices(positions, INT32_MAX),
-            narrow_host_indices(cache_loc, INT32_MAX), k_cache, v_cache, k_scale, v_scale)
+            self, ctx_hidden, narrow_for_jax(positions),
+            narrow_for_jax(cache_loc), k_cache, v_cache, k_scale, v_scale)
 
 
 @jax.jit

@@ -65,19 +65,35 @@ def to_jax(array):
     if kind == "torch":
         array = _torch_for_jax(array)
     elif isinstance(array, np.ndarray):
-        if dtype_name(array.dtype) == "int64" and not jax.config.jax_enable_x64:
-            array = np.clip(array, -1, INT32_MAX).astype(np.int32)
         # Host memory goes to jax's default device, where the kernel will run.
-        return jax.device_put(array)
+        return jax.device_put(narrow_for_jax(array))
     return jax.dlpack.from_dlpack(array)
 
 
-def _torch_for_jax(tensor):
+def narrow_for_jax(indices):
+    """Host int64 indices as int32 where jax holds no int64 (x64 off), values saturated.
+
+    jax would wrap them instead, which can carry an out-of-range position or slot into
+    range (2**32 + 3 becomes 3); saturated, it stays out of every cos/sin table and
+    cache. Anything else (device arrays, tracers, other dtypes) passes unchanged.
+    """
+    if isinstance(indices, np.ndarray) and dtype_name(indices.dtype) == "int64" and not _jax_holds_int64():
+        return np.clip(indices, -1, INT32_MAX).astype(np.int32)
+    return indices
+
+
+def _jax_holds_int64() -> bool:
+    """Whether jax keeps int64 as int64 (x64 on, globally or in an ``enable_x64`` scope)."""
     import jax
+
+    return jax.dtypes.canonicalize_dtype(np.int64) == np.int64
+
+
+def _torch_for_jax(tensor):
     import torch
 
     tensor = tensor.detach()
-    if tensor.dtype == torch.int64 and not jax.config.jax_enable_x64:
+    if tensor.dtype == torch.int64 and not _jax_holds_int64():
         tensor = tensor.clamp(-1, INT32_MAX).to(torch.int32)
     if not _compact(tensor):
         tensor = tensor.contiguous()
