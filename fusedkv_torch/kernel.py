@@ -105,7 +105,14 @@ def _fused_kv_norm_rope_kernel(
     GPTJ: tl.constexpr, TO_SLOTS: tl.constexpr, QUANTIZE: tl.constexpr,
     BLOCK_T: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
     PAIR_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, HEAD_BLOCK: tl.constexpr,
+    DEPENDENT_LAUNCH: tl.constexpr,
 ):
+    if DEPENDENT_LAUNCH:
+        # Launched with programmatic dependent launch, possibly before the kernel ahead of it
+        # has finished: let the kernel behind start launching now, and read nothing until
+        # the one ahead (which may have written any input) has finished and flushed.
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # Tiles are [BLOCK_T tokens, HEADS_PER_PROGRAM heads, dims]: every load of the program is
     # issued before any store, whatever the number of heads (a loop over heads could not
     # move the next head's loads above this head's stores, which might alias them).
@@ -229,8 +236,8 @@ def default_launch_shape(total_ctx: int, num_kv_heads: int, head_dim: int) -> tu
 @functools.lru_cache(maxsize=4096)
 def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, to_slots: bool, quantize: bool,
           block_tokens: Optional[int], heads_per_program: Optional[int],
-          num_warps: Optional[int]) -> tuple[int, tuple, int]:
-    """``(grid, constexpr values in kernel order, num_warps)`` of a launch."""
+          num_warps: Optional[int], dependent_launch: bool = False) -> tuple[int, tuple, int, bool]:
+    """``(grid, constexpr values in kernel order, num_warps, dependent_launch)`` of a launch."""
     default_block, default_heads, default_warps = default_launch_shape(
         total_ctx, config.num_kv_heads, config.head_dim)
     block_tokens = block_tokens or default_block
@@ -242,10 +249,10 @@ def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, to_slots: bool, 
     constexprs = (
         n_layers, config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style == "gptj",
         to_slots, quantize, block_tokens, heads_per_program, _next_power_of_2(config.rotary_dim // 2),
-        _next_power_of_2(tail) if tail else 0, _next_power_of_2(config.head_dim),
+        _next_power_of_2(tail) if tail else 0, _next_power_of_2(config.head_dim), dependent_launch,
     )
     grid = -(-total_ctx // block_tokens) * n_layers * (config.num_kv_heads // heads_per_program)
-    return grid, constexprs, num_warps or default_warps
+    return grid, constexprs, num_warps or default_warps, dependent_launch
 
 
 _launcher = DirectLauncher(_fused_kv_norm_rope_kernel)
@@ -253,7 +260,7 @@ _launcher = DirectLauncher(_fused_kv_norm_rope_kernel)
 
 def _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dst, v_dst, cache_loc, k_scale,
             v_scale, compiled=None) -> None:
-    grid, constexprs, num_warps = plan
+    grid, constexprs, num_warps, dependent_launch = plan
     _launcher(
         grid,
         (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_dst, v_dst, k_scale, v_scale),
@@ -262,7 +269,7 @@ def _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dst, v_dst
          *((0,) if cache_loc is None else cache_loc.stride()),
          *((0, 0) if k_scale is None else (*k_scale.stride(), *v_scale.stride())),
          *k_dst.stride(), *v_dst.stride()),
-        constexprs, num_warps=num_warps, compiled=compiled,
+        constexprs, num_warps=num_warps, launch_pdl=dependent_launch, compiled=compiled,
     )
 
 
@@ -282,6 +289,7 @@ def launch(
     block_tokens: Optional[int] = None,
     heads_per_program: Optional[int] = None,
     num_warps: Optional[int] = None,
+    dependent_launch: bool = False,
 ) -> None:
     """Launch the kernel on validated arguments already on ``kv``'s device; no checks, no sync.
 
@@ -289,10 +297,11 @@ def launch(
     (row t for token t) or, with ``cache_loc``, the caches (row ``cache_loc[t]``).
     ``block_tokens``, ``heads_per_program`` (a power of two dividing the heads) and
     ``num_warps`` override :func:`default_launch_shape` (benchmark sweeps).
+    ``dependent_launch``: launch with programmatic dependent launch (sm_90 and later).
     """
     total_ctx, n_layers, _ = kv.shape
     plan = _plan(config, total_ctx, n_layers, cache_loc is not None, k_scale is not None,
-                 block_tokens, heads_per_program, num_warps)
+                 block_tokens, heads_per_program, num_warps, dependent_launch)
     _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dst, v_dst, cache_loc, k_scale, v_scale)
 
 

@@ -70,13 +70,15 @@ class DirectLauncher:
         self._by_signature: dict[tuple, dict] = {}
 
     def __call__(self, grid: int, tensors: Sequence[Optional[torch.Tensor]], plain_ints: Sequence[int],
-                 ints: Sequence[int], constexprs: tuple, *, num_warps: int,
+                 ints: Sequence[int], constexprs: tuple, *, num_warps: int, launch_pdl: bool = False,
                  compiled: Optional[dict] = None) -> None:
         """Launch ``grid`` programs.
 
+        ``launch_pdl``: launch with programmatic dependent launch (Triton's option of that
+        name), for a kernel that waits for its prerequisite grid itself.
         ``compiled``: the caller's dict for the compiled kernels of launches that agree
-        in every tensor's dtype and device (and None-ness), ``constexprs`` and
-        ``num_warps``; the launcher keeps one per such signature when not given.
+        in every tensor's dtype and device (and None-ness), ``constexprs``, ``num_warps``
+        and ``launch_pdl``; the launcher keeps one per such signature when not given.
         """
         knobs = self._runtime_knobs
         # Profilers hook launches: None, or an empty HookChain (Triton 3.6 on), means none.
@@ -84,7 +86,7 @@ class DirectLauncher:
                   or getattr(knobs.launch_exit_hook, "calls", knobs.launch_exit_hook))
         if self.direct and not hooked and max(plain_ints) < _INT32_END:
             if compiled is None:
-                signature = (constexprs, num_warps,
+                signature = (constexprs, num_warps, launch_pdl,
                              *[None if tensor is None else (tensor.dtype, tensor.get_device()) for tensor in tensors])
                 compiled = self._by_signature.setdefault(signature, {})
             addresses = [None if tensor is None else tensor.data_ptr() for tensor in tensors]
@@ -96,22 +98,22 @@ class DirectLauncher:
                     *addresses, *plain_ints, *ints, *constexprs)
                 return
             self._compile_and_launch(compiled, key, grid, tensors, addresses, plain_ints, ints, constexprs,
-                                     num_warps)
+                                     dict(num_warps=num_warps, launch_pdl=launch_pdl))
             return
-        self.kernel[(grid,)](*tensors, *plain_ints, *ints, *constexprs, num_warps=num_warps)
+        self.kernel[(grid,)](*tensors, *plain_ints, *ints, *constexprs, num_warps=num_warps, launch_pdl=launch_pdl)
 
     def _compile_and_launch(self, compiled, key, grid, tensors, addresses, plain_ints, ints, constexprs,
-                            num_warps) -> None:
+                            options: dict) -> None:
         """``kernel[grid]``, then keep the compiled kernel under ``key`` if Triton agrees with it."""
         args = (*tensors, *plain_ints, *ints, *constexprs)
-        kernel = self.kernel[(grid,)](*args, num_warps=num_warps)
+        kernel = self.kernel[(grid,)](*args, **options)
         device = key[0]
         if any(tensor is not None and tensor.get_device() != device for tensor in tensors):
             return  # Triton launched it on the current device; never launch that directly
         try:
             kernel = kernel.result() if hasattr(kernel, "result") else kernel
             binder = self.kernel.device_caches[device][-1]
-            _, specialization, _ = binder(*args, num_warps=num_warps)
+            _, specialization, _ = binder(*args, **options)
             expected = expected_attributes(addresses, plain_ints, ints)
             if [attribute for _, attribute in specialization[:len(expected)]] == expected:
                 compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)

@@ -128,7 +128,7 @@ def test_direct_launch_key_splits_calls_wherever_triton_specializes_them():
     rng = np.random.default_rng(0)
     buffer = torch.zeros(4096, dtype=torch.bfloat16)
     values = [0, 1, 2, 8, 15, 16, 17, 32, 48, 1024, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32]
-    _, constexprs, _ = kernel_module._plan(REAL, 64, 5, True, True, None, None, None)
+    _, constexprs, _, _ = kernel_module._plan(REAL, 64, 5, True, True, None, None, None)
     specializations = {}
     for _ in range(400):
         tensors = [None if rng.random() < 0.2 else buffer[int(rng.integers(0, 24)):] for _ in range(10)]
