@@ -1,60 +1,30 @@
-"""Where the decode-size latency goes: GPU clock state, programmatic dependent launch, kernel vs gaps.
+"""Where the decode-size time goes, and what programmatic dependent launch (PDL) changes.
 
-``python -m benchmarks.latency_probe`` on the GPU (``PYTHONPATH=.``). For the draft shape at
-16 and 256 tokens it times graph replay (i) right after the GPU sat idle, as the other
-benchmarks' first rows do, (ii) right after ~300 ms of sustained copies (a busy GPU, as in
-a serving loop), (iii) as (ii) with programmatic dependent launch; the SM clock is read
-through NVML around each. Beside them: a trivial kernel of as many programs, the kernel's
-own duration from the torch profiler, a small tile sweep, and the Pallas kernel's profiler
-time idle and busy.
+``python -m benchmarks.latency_probe`` on the GPU (``PYTHONPATH=.``), bf16 draft shape.
+
+* decomposition at 16 and 256 tokens: the kernel beside three stand-ins with one program
+  per (token, layer, head) and one warp each: a store of one float (launch and
+  scheduling only), a copy of the K and V rows (one round trip to memory), and a
+  position-then-cos/sin-row gather (the kernel's chain of two dependent round trips);
+  each under graph replay over rotated input sets and as its duration in the torch
+  profiler;
+* the kernel under graph replay with and without PDL over tiles at 16, 256 and 4096
+  tokens, and at 4096 do_bench beside graph replay (do_bench's time includes the gap
+  between its start event and the kernel).
 """
 
 from __future__ import annotations
 
-import os
 import sys
-import time
 
 import torch
 import triton
 import triton.language as tl
 
-from benchmarks import bench_torch
 from benchmarks.bench_torch import Case, input_sets, poison_and_check
-from benchmarks.measure import DRAFT, N_LAYERS, graph_replay_seconds, input_sets_needed
+from benchmarks.measure import (DRAFT, N_LAYERS, copy_bytes_per_second, do_bench_seconds, graph_replay_seconds,
+                                input_sets_needed)
 from fusedkv_torch.kernel import launch
-
-
-def sm_clock_mhz() -> str:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        return str(pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM))
-    except Exception as error:  # no NVML: say so in the table
-        return f"? ({type(error).__name__})"
-
-
-_HEAT_SOURCE = None
-
-
-def keep_busy(milliseconds: float = 300) -> None:
-    global _HEAT_SOURCE
-    if _HEAT_SOURCE is None:
-        _HEAT_SOURCE = torch.empty(2**28, dtype=torch.uint8, device="cuda"), torch.empty(2**28, dtype=torch.uint8,
-                                                                                     device="cuda")
-    source, destination = _HEAT_SOURCE
-    end = time.perf_counter() + milliseconds / 1e3
-    while time.perf_counter() < end:
-        for _ in range(20):
-            destination.copy_(source)
-        torch.cuda.synchronize()
-
-
-def idle(seconds: float = 1.0) -> None:
-    torch.cuda.synchronize()
-    time.sleep(seconds)
 
 
 @triton.jit
@@ -62,80 +32,105 @@ def _store_one_kernel(out_ptr):
     tl.store(out_ptr + tl.program_id(0), 1.0)
 
 
-def report(label: str, seconds: float, clock_before: str) -> None:
-    print(f"{label:58s} {seconds * 1e6:8.3f} us   sm clock {clock_before} -> {sm_clock_mhz()} MHz", flush=True)
+@triton.jit
+def _copy_rows_kernel(kv_ptr, k_ptr, v_ptr, total_ctx, N_LAYERS: tl.constexpr, NUM_HEADS: tl.constexpr,
+                      HEAD_DIM: tl.constexpr):
+    pid = tl.program_id(0)
+    head = pid % NUM_HEADS
+    layer = (pid // NUM_HEADS) % N_LAYERS
+    token = pid // (NUM_HEADS * N_LAYERS)
+    dims = tl.arange(0, HEAD_DIM)
+    row = kv_ptr + (token * N_LAYERS + layer) * (2 * NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + dims
+    out = ((layer * total_ctx + token) * NUM_HEADS + head) * HEAD_DIM + dims
+    k = tl.load(row)
+    v = tl.load(row + NUM_HEADS * HEAD_DIM)
+    tl.store(k_ptr + out, k)
+    tl.store(v_ptr + out, v)
 
 
-def probe_torch(total_ctx: int) -> None:
+@triton.jit
+def _gather_rows_kernel(positions_ptr, cos_sin_ptr, k_ptr, total_ctx, N_LAYERS: tl.constexpr,
+                        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    pid = tl.program_id(0)
+    head = pid % NUM_HEADS
+    layer = (pid // NUM_HEADS) % N_LAYERS
+    token = pid // (NUM_HEADS * N_LAYERS)
+    dims = tl.arange(0, HEAD_DIM)
+    position = tl.load(positions_ptr + token)
+    row = tl.load(cos_sin_ptr + position.to(tl.int64) * HEAD_DIM + dims)
+    tl.store(k_ptr + ((layer * total_ctx + token) * NUM_HEADS + head) * HEAD_DIM + dims, row.to(tl.bfloat16))
+
+
+def line(label: str, seconds: float, note: str = "") -> None:
+    print(f"{label:64s} {seconds * 1e6:9.3f} us  {note}", flush=True)
+
+
+def decomposition(total_ctx: int) -> None:
     case = Case(DRAFT, N_LAYERS, total_ctx)
     count = input_sets_needed(2 * case.kv_bytes())
     sets = input_sets(case, count)
-
-    def caller(**options):
-        def call(i):
-            s = sets[i]
-            launch(*s.args(), s.k_out, s.v_out, config=case.config, **options)
-            return s.k_out, s.v_out
-        return call
-
-    print(f"-- torch, {total_ctx} tokens, {count} input sets; check {poison_and_check(case, sets, caller())}, "
-          f"with PDL {poison_and_check(case, sets, caller(dependent_launch=True))}")
-    for state, prepare in (("idle", idle), ("busy", keep_busy)):
-        for pdl in (False, True):
-            prepare()
-            clock = sm_clock_mhz()
-            report(f"graph replay after {state}, pdl={pdl}", graph_replay_seconds(caller(dependent_launch=pdl), count),
-                   clock)
-    out = torch.empty(1 << 16, device="cuda")
     programs = total_ctx * N_LAYERS * DRAFT.num_kv_heads
-    keep_busy()
-    clock = sm_clock_mhz()
-    report(f"trivial kernel, {programs} one-warp programs, busy",
-           graph_replay_seconds(lambda i: _store_one_kernel[(programs,)](out, num_warps=1), 1), clock)
-    for tile in (dict(block_tokens=1, heads_per_program=1, num_warps=1),
-                 dict(block_tokens=1, heads_per_program=2, num_warps=1),
-                 dict(block_tokens=1, heads_per_program=4, num_warps=1),
-                 dict(block_tokens=1, heads_per_program=8, num_warps=1),
-                 dict(block_tokens=1, heads_per_program=8, num_warps=2),
-                 dict(block_tokens=2, heads_per_program=8, num_warps=4)):
-        for pdl in (False, True):
-            keep_busy(100)
-            clock = sm_clock_mhz()
-            report(f"busy {tile} pdl={pdl}", graph_replay_seconds(caller(dependent_launch=pdl, **tile), count), clock)
-
-    keep_busy()
-    call = caller()
+    scratch = torch.empty(programs, device="cuda")
+    static = dict(N_LAYERS=N_LAYERS, NUM_HEADS=DRAFT.num_kv_heads, HEAD_DIM=DRAFT.head_dim)
+    stand_ins = {
+        "store one float": lambda i: _store_one_kernel[(programs,)](scratch, num_warps=1),
+        "copy K and V rows": lambda i: _copy_rows_kernel[(programs,)](
+            sets[i].kv, sets[i].k_out, sets[i].v_out, total_ctx, **static, num_warps=1),
+        "position then cos/sin row": lambda i: _gather_rows_kernel[(programs,)](
+            sets[i].positions, sets[i].cos_sin_cache, sets[i].k_out, total_ctx, **static, num_warps=1),
+        "kernel, default tile": lambda i: launch(*sets[i].args(), sets[i].k_out, sets[i].v_out,
+                                                 config=DRAFT, dependent_launch=False),
+        "kernel, default tile, PDL": lambda i: launch(*sets[i].args(), sets[i].k_out, sets[i].v_out,
+                                                      config=DRAFT, dependent_launch=True),
+    }
+    print(f"-- {total_ctx} tokens, {programs} (token, layer, head) rows, {count} input sets")
+    for label, call in stand_ins.items():
+        line(f"graph replay: {label}", graph_replay_seconds(call, count))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        for i in range(400):
-            call(i % count)
-        torch.cuda.synchronize()
+        for label, call in stand_ins.items():
+            for i in range(300):
+                call(i % count)
+            torch.cuda.synchronize()
     for event in profile.key_averages():
-        if "fused_kv" in event.key:
-            device_us = getattr(event, "device_time", None) or getattr(event, "cuda_time", 0.0)
-            print(f"{'kernel duration, eager launches, torch profiler':58s} {device_us:8.3f} us   "
-                  f"({event.count} kernels)", flush=True)
+        device_us = getattr(event, "device_time", None) or getattr(event, "cuda_time", 0.0)
+        line(f"profiler duration: {event.key[:40]}", device_us * 1e-6, f"({event.count} kernels)")
 
 
-def probe_jax(total_ctx: int) -> None:
-    from benchmarks import bench_jax
+def tiles(total_ctx: int, tile_list, methods=("graph",)) -> None:
+    case = Case(DRAFT, N_LAYERS, total_ctx)
+    count = max(2 if total_ctx >= 4096 else 1, input_sets_needed(2 * case.kv_bytes()))
+    sets = input_sets(case, count)
+    print(f"-- {total_ctx} tokens, {count} input sets")
+    for tile in tile_list:
+        for pdl in (False, True):
+            options = dict(zip(("block_tokens", "heads_per_program", "num_warps"), tile or ()),
+                           dependent_launch=pdl)
 
-    bench_jax._input_sets(total_ctx)
-    for state, prepare in (("idle", idle), ("busy", keep_busy)):
-        bench_jax.measure_kernel(total_ctx, 5, check=False)  # compiled and warm before the state
-        prepare()
-        clock = sm_clock_mhz()
-        row = bench_jax.measure_kernel(total_ctx, 100, check=False)
-        report(f"pallas {total_ctx} tokens after {state} ({row.method})", row.seconds, clock)
+            def call(i):
+                s = sets[i]
+                launch(*s.args(), s.k_out, s.v_out, config=DRAFT, **options)
+                return s.k_out, s.v_out
+
+            check = poison_and_check(case, sets, call)
+            for method in methods:
+                if method == "graph":
+                    seconds = graph_replay_seconds(call, count)
+                else:
+                    counter = iter(range(10**9))
+                    seconds = do_bench_seconds(lambda: call(next(counter) % count))
+                gbps = 2 * case.kv_bytes() / seconds / 1e9
+                line(f"{method:8s} tile={tile or 'default'} pdl={pdl}", seconds, f"{gbps:6.0f} GB/s  {check}")
 
 
 def main() -> int:
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}; "
-          f"idle sm clock {sm_clock_mhz()} MHz")
+    print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
+    copy_rate = copy_bytes_per_second()
+    print(f"copy ceiling {copy_rate / 1e9:.0f} GB/s; 85% = {0.85 * copy_rate / 1e9:.0f} GB/s")
     for total_ctx in (16, 256):
-        probe_torch(total_ctx)
-    for total_ctx in (16, 256):
-        probe_jax(total_ctx)
+        decomposition(total_ctx)
+    tiles(16, [None, (1, 1, 2), (2, 1, 1), (1, 2, 1)])
+    tiles(256, [None, (2, 8, 2), (2, 8, 4), (4, 8, 4), (4, 8, 8), (8, 8, 8), (1, 4, 1), (2, 4, 2)])
+    tiles(4096, [None, (1, 8, 4), (2, 8, 4), (4, 8, 8)], methods=("do_bench", "graph"))
     return 0
 
 
