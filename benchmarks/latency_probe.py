@@ -122,7 +122,61 @@ def tiles(total_ctx: int, tile_list, methods=("graph",)) -> None:
                 line(f"{method:8s} tile={tile or 'default'} pdl={pdl}", seconds, f"{gbps:6.0f} GB/s  {check}")
 
 
+def pallas_steps(total_ctx: int, steps: int, **tile) -> str:
+    """Quantiles of the per-step kernel durations of the Pallas kernel, from the jax profiler."""
+    import functools
+    import statistics
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import bench_jax
+    from fusedkv_jax import fused_kv_norm_rope as pallas_op
+
+    _, device_sets = bench_jax._input_sets(total_ctx)
+    step = jax.jit(functools.partial(pallas_op, num_kv_heads=DRAFT.num_kv_heads, head_dim=DRAFT.head_dim,
+                                     rotary_dim=DRAFT.rotary_dim, rope_style=DRAFT.rope_style, **tile),
+                   donate_argnames=("k_out", "v_out"))
+    shape = DRAFT.output_shape(N_LAYERS, total_ctx)
+    outputs = [[jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape, jnp.bfloat16)] for _ in device_sets]
+
+    def launch(i):
+        state = outputs[i % len(outputs)]
+        state[0], state[1] = step(*device_sets[i % len(device_sets)], k_out=state[0], v_out=state[1])
+        return state
+
+    jax.block_until_ready(launch(0))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        bench_jax._queue(launch, steps)
+        jax.profiler.stop_trace()
+        durations = [d * 1e-3 for _, d in bench_jax._gpu_kernel_events(trace_dir)]
+    q = statistics.quantiles(durations, n=10)
+    return (f"{len(durations)} kernels over {steps} steps ({len(device_sets)} sets): min {min(durations):.2f} "
+            f"p10 {q[0]:.2f} median {statistics.median(durations):.2f} p90 {q[-1]:.2f} max {max(durations):.2f} us")
+
+
+def probe_pallas() -> None:
+    import jax
+
+    print(f"jax {jax.__version__}")
+    for total_ctx, tiles_here in ((16, [{}, dict(block_tokens=1, block_heads=8, num_warps=4),
+                                        dict(block_tokens=1, block_heads=1, num_warps=1),
+                                        dict(block_tokens=1, block_heads=2, num_warps=1)]),
+                                  (256, [{}, dict(block_tokens=2, block_heads=8, num_warps=4),
+                                         dict(block_tokens=4, block_heads=8, num_warps=8),
+                                         dict(block_tokens=2, block_heads=8, num_warps=8)])):
+        for steps in (10, 100):
+            for tile in tiles_here:
+                print(f"pallas {total_ctx:4d} tokens {str(tile or 'default'):58s} "
+                      f"{pallas_steps(total_ctx, steps, **tile)}", flush=True)
+
+
 def main() -> int:
+    if "--pallas" in sys.argv:
+        probe_pallas()
+        return 0
     print(f"torch {torch.__version__}, triton {triton.__version__}, {torch.cuda.get_device_name()}")
     copy_rate = copy_bytes_per_second()
     print(f"copy ceiling {copy_rate / 1e9:.0f} GB/s; 85% = {0.85 * copy_rate / 1e9:.0f} GB/s")
