@@ -351,7 +351,8 @@ def compiled_launcher_alone(case: Case, inputs: InputSet):
     for _ in range(2):  # the first compiles through kernel[grid], the second launches directly
         launch(*inputs.args(), inputs.k_out, inputs.v_out, config=case.config)
     grid, constexprs, num_warps, launch_pdl = kernel_module._plan(
-        case.config, case.total_ctx, case.n_layers, False, False, None, None, None)
+        case.config, case.total_ctx, case.n_layers, False, False, None, None, None,
+        kernel_module.supports_dependent_launch(inputs.kv.device))
     signature = (constexprs, num_warps, launch_pdl,
                  *[None if t is None else (t.dtype, t.get_device()) for t in tensors])
     run, function, metadata = next(iter(kernel_module._launcher._by_signature[signature].values()))

@@ -57,15 +57,17 @@ class DirectLauncher:
     """``kernel[grid]`` for a kernel whose parameters are, in order: tensors (or None),
     integers in ``do_not_specialize``, other integers, then constexprs.
 
-    ``direct`` is False where the kernel is interpreted or direct launches were turned
-    off; benchmarks may set it to time Triton's own launch path.
+    ``interpreted`` is True under ``TRITON_INTERPRET=1``. ``direct`` is False where the
+    kernel is interpreted or direct launches were turned off; benchmarks may set it to
+    time Triton's own launch path.
     """
 
     def __init__(self, kernel):
         from triton import knobs
 
         self.kernel = kernel
-        self.direct = hasattr(kernel, "device_caches")  # a JITFunction, not the interpreter's
+        self.interpreted = not hasattr(kernel, "device_caches")  # the interpreter's, not a JITFunction
+        self.direct = not self.interpreted
         self._runtime_knobs = knobs.runtime
         self._by_signature: dict[tuple, dict] = {}
 

@@ -128,7 +128,7 @@ def test_direct_launch_key_splits_calls_wherever_triton_specializes_them():
     rng = np.random.default_rng(0)
     buffer = torch.zeros(4096, dtype=torch.bfloat16)
     values = [0, 1, 2, 8, 15, 16, 17, 32, 48, 1024, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32]
-    _, constexprs, _, _ = kernel_module._plan(REAL, 64, 5, True, True, None, None, None)
+    _, constexprs, _, _ = kernel_module._plan(REAL, 64, 5, True, True, None, None, None, False)
     specializations = {}
     for _ in range(400):
         tensors = [None if rng.random() < 0.2 else buffer[int(rng.integers(0, 24)):] for _ in range(10)]
@@ -618,3 +618,46 @@ def test_offsets_past_two_to_the_31_elements():
                                            np.arange(total_ctx - 4, total_ctx)]), device=DEVICE)
     sample = dataclasses.replace(shared, kv=as_numpy(kv[rows]), positions=as_numpy(positions[rows]))
     assert_matches_reference(sample, config, k[:, rows], v[:, rows])
+
+
+def test_dependent_launch_only_for_compiled_kernels_on_hopper_and_later():
+    expected = ON_GPU and torch.cuda.get_device_capability()[0] >= 9 and not kernel_module._launcher.interpreted
+    assert kernel_module.supports_dependent_launch(torch.device(DEVICE)) == expected
+    assert not kernel_module.supports_dependent_launch(torch.device("cpu"))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "graph"])
+def test_dependent_launch_reads_what_the_kernel_ahead_of_it_wrote(captured):
+    # The second call's kv is the first call's V output, launched right behind it: with
+    # programmatic dependent launch the second may start while the first still writes
+    # (a 32768-token first call runs ~0.3 ms), so a read before its wait would see NaN.
+    n_layers, total_ctx = 5, 32768
+    first = random_inputs(REAL, n_layers=n_layers, total_ctx=total_ctx, seed=36)
+    kv, weight, eps, cos_sin, positions = on_device(first)
+    second_positions_host = np.random.default_rng(37).integers(0, cos_sin.shape[0], total_ctx // 2, dtype=np.int32)
+    second_positions = to_torch(second_positions_host).to(DEVICE)
+    shape = REAL.output_shape(n_layers, total_ctx)
+    k1, v1 = poisoned(shape, kv.dtype), poisoned(shape, kv.dtype)
+    second_kv = v1.view(total_ctx // 2, n_layers, kv.shape[2])
+    k2, v2 = (poisoned(REAL.output_shape(n_layers, total_ctx // 2), kv.dtype) for _ in range(2))
+
+    def both():
+        fused_kv_norm_rope(kv, weight, eps, cos_sin, positions, **static(REAL), k_out=k1, v_out=v1)
+        fused_kv_norm_rope(second_kv, weight, eps, cos_sin, second_positions, **static(REAL), k_out=k2, v_out=v2)
+
+    if captured:
+        both()  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            both()
+        for buffer in (k1, v1, k2, v2):
+            buffer.fill_(float("nan"))
+        graph.replay()
+    else:
+        both()
+    torch.cuda.synchronize()
+    assert not torch.isnan(v1).any()
+    chained = dataclasses.replace(first, kv=as_numpy(second_kv), positions=second_positions_host)
+    assert_matches_reference(chained, REAL, k2, v2)
