@@ -2,14 +2,15 @@
 
 ``python -m benchmarks.bench_jax [--quick]`` from the tree (``PYTHONPATH=.``). Rows: bf16,
 5 layers, 8 KV heads, head_dim 128 (neox) at 16, 256, 4096 and 32768 tokens, the kernel
-with its default tile, plain jnp reference math under ``jax.jit``, and the paged-cache
-entry point (bf16 and fp8 caches of twice as many slots); then a sweep of
-tiles (``block_tokens``, ``block_heads``, ``num_warps``) at 4096 and 32768 tokens.
+with its default tile, plain jnp reference math under ``jax.jit``, XLA's elementwise pass
+over ``kv`` (the same bytes read and written: the floor under the kernel), and the
+paged-cache entry point (bf16 and fp8 caches of twice as many slots); then a sweep of
+tiles (``block_tokens``, ``block_heads``, ``num_warps``) at every size.
 
 Timing (METHOD.md): device time, not host dispatch. Each step is run many times under
 ``jax.profiler`` and the GPU's own kernel durations are read back from the trace
 (``jax.profiler.ProfileData``); a step's time is the sum of the kernels it launched,
-and the row gives the median over steps. If the trace holds no GPU events, the
+and the row gives the median over steps with the 10th-90th percentile spread. If the trace holds no GPU events, the
 fallback is host wall time over many queued steps (an upper bound, marked ``wall``).
 Inputs are random, the outputs donated back into the next step (written in place,
 as a serving loop would), and rotated over enough input sets to exceed the L2 cache
@@ -53,6 +54,8 @@ from interop.spec import FusedKVConfig
 
 SIZES = (16, 256, 4096, 32768)
 SWEEP_SIZES = (16, 256, 4096, 32768)
+# Steps at 16 and 256 tokens, whatever --quick says: ten-step medians there moved by 40%.
+SMALL_STEPS = 100
 # The NumPy reference of a whole paged cache is slow past this many tokens.
 CACHE_CHECK_LIMIT = 4096
 
@@ -124,8 +127,10 @@ def device_seconds(launch, steps: int) -> tuple[float, str]:
         if len(durations) % steps:
             return sum(durations) / steps * 1e-9, f"profiler mean ({len(durations)} kernels)"
         per_step = len(durations) // steps
-        sums = [sum(durations[i:i + per_step]) for i in range(0, len(durations), per_step)]
-        return statistics.median(sums) * 1e-9, f"profiler ({per_step} kernel{'s' * (per_step > 1)}/step)"
+        sums = [sum(durations[i:i + per_step]) * 1e-9 for i in range(0, len(durations), per_step)]
+        deciles = statistics.quantiles(sums, n=10)
+        return statistics.median(sums), (f"profiler ({per_step} kernel{'s' * (per_step > 1)}/step, "
+                                         f"p10-p90 {deciles[0] * 1e6:.2f}-{deciles[-1] * 1e6:.2f})")
     walls = []
     for _ in range(5):
         start = time.perf_counter()
@@ -240,6 +245,15 @@ def measure_cache(total_ctx: int, steps: int, *, fp8: bool) -> Row:
     return Row(name, total_ctx, "default", seconds, host[0].nbytes + written, method, len(sets), result)
 
 
+def measure_xla_pass(total_ctx: int, steps: int) -> Row:
+    """The floor under the kernel's bytes: XLA's own elementwise pass over kv (read and written)."""
+    host, device_sets = _input_sets(total_ctx)
+    negate = jax.jit(jnp.negative)
+    seconds, method = device_seconds(lambda i: negate(device_sets[i % len(device_sets)][0]), steps)
+    return Row("floor: XLA pass over kv", total_ctx, "-", seconds, 2 * host[0].nbytes, method,
+               len(device_sets))
+
+
 def measure_jnp(total_ctx: int, steps: int) -> Row:
     host, device_sets = _input_sets(total_ctx)
     step = jax.jit(functools.partial(jnp_neox_baseline, config=DRAFT))
@@ -279,19 +293,24 @@ def main(argv=None) -> int:
 
     rows = []
     for total_ctx in SIZES:
+        # Decode sizes vary by 1.5x from step to step (the inputs' cache state): more steps.
+        size_steps = max(steps, SMALL_STEPS) if total_ctx <= 256 else steps
         rows.append(guarded("pallas", total_ctx, "default",
-                             lambda: measure_kernel(total_ctx, steps, check=True)))
-        rows.append(guarded("jnp (jit)", total_ctx, "-", lambda: measure_jnp(total_ctx, steps)))
+                             lambda: measure_kernel(total_ctx, size_steps, check=True)))
+        rows.append(guarded("jnp (jit)", total_ctx, "-", lambda: measure_jnp(total_ctx, size_steps)))
+        rows.append(guarded("floor: XLA pass over kv", total_ctx, "-",
+                            lambda: measure_xla_pass(total_ctx, size_steps)))
         for fp8 in (False, True):
             rows.append(guarded("pallas cache", total_ctx, "default",
-                                lambda: measure_cache(total_ctx, steps, fp8=fp8)))
-        print(format_table(rows[-4:], copy_rate), flush=True)
+                                lambda: measure_cache(total_ctx, size_steps, fp8=fp8)))
+        print(format_table(rows[-5:], copy_rate), flush=True)
     sweep = []
     for total_ctx in SWEEP_SIZES:
+        size_steps = SMALL_STEPS if total_ctx <= 256 else max(10, steps // 5)
         for tile in sweep_tiles(total_ctx, args.quick):
             label = ", ".join(f"{k}={v}" for k, v in tile.items())
             sweep.append(guarded("pallas", total_ctx, label, lambda: measure_kernel(
-                total_ctx, max(10, steps // 5), check=False, **tile)))
+                total_ctx, size_steps, check=False, **tile)))
             print(format_table(sweep[-1:], copy_rate), flush=True)
 
     print("\n== sweep (best first per size) ==")

@@ -1,11 +1,16 @@
 """Device time of the Triton kernel on a GPU, beside plain PyTorch math (eager and compiled) and the copy ceiling.
 
-``python -m benchmarks.bench_torch [--quick] [--sections draft,baselines,variants,host,sweep] [--json PATH]``
+``python -m benchmarks.bench_torch [--quick] [--sections draft,floor,baselines,variants,host,sweep] [--json PATH]``
 from the tree (``PYTHONPATH=.``). Rows, all bf16 unless named:
 
 * ``draft``: the draft shape (5 layers, 8 KV heads, head_dim 128, neox) at 16, 256, 4096
-  and 32768 tokens: the kernel under CUDA-graph replay and as an eager call (do_bench),
-  and the paged-cache variant (bf16 and fp8 caches);
+  and 32768 tokens: the kernel under CUDA-graph replay (device time without host launch
+  gaps; at 16 and 256 tokens also without programmatic dependent launch) and as an
+  eager call (do_bench, which also counts the gap between its start event and the
+  kernel), and the paged-cache variant (bf16 and fp8 caches);
+* ``floor``: at 16 and 256 tokens, what bounds a call from below under the same graph
+  replay: an empty launch of the kernel's grid, a device copy of the same bytes, and
+  the position-then-cos/sin-row chain alone;
 * ``baselines``: plain PyTorch reference math, eager and under ``torch.compile``;
 * ``variants`` at 4096 and 32768 tokens: head_dim 256, rotary_dim 64 of 128, gptj, 1 and 8 layers;
 * ``host``: host time per call at 16 tokens, broken down: the public calls, ``launch()``
@@ -168,12 +173,16 @@ def tile_label(case: Case, tile: dict | None) -> str:
     tile = tile or {}
     label = (f"bt={tile.get('block_tokens', block)},hpp={tile.get('heads_per_program', heads)},"
              f"nw={tile.get('num_warps', warps)}")
-    return label if tile else f"default {label}"
+    if tile.get("dependent_launch") is False:
+        label += ",no PDL"
+    return label if set(tile) - {"dependent_launch"} else f"default {label}"
 
 
 def measure_kernel(case: Case, method: str, *, name: str = "triton", tile: dict | None = None,
                    check: bool = True) -> Row:
-    count = input_sets_needed(2 * case.kv_bytes())
+    """The public call, or with ``tile`` (launch options) :func:`launch`, timed by ``method``."""
+    # Graph replay repeats calls back to back: two sets at least, so no call finds its kv in L2.
+    count = max(2 if method == "graph" else 1, input_sets_needed(2 * case.kv_bytes()))
     sets = input_sets(case, count)
     config = case.config
 
@@ -402,11 +411,63 @@ def draft_rows(run, quick: bool) -> None:
     for total_ctx in SIZES:
         case = Case(DRAFT, N_LAYERS, total_ctx)
         method = "graph" if total_ctx in GRAPH_SIZES else "do_bench"
+        run("triton", case, lambda: measure_kernel(case, "graph"))
         if total_ctx in GRAPH_SIZES:
-            run("triton", case, lambda: measure_kernel(case, "graph"))
+            run("triton, no PDL", case, lambda: measure_kernel(case, "graph", name="triton, no PDL",
+                                                               tile=dict(dependent_launch=False)))
         run("triton", case, lambda: measure_kernel(case, "do_bench"))
         for fp8 in (False, True):
             run("triton cache", case, lambda: measure_cache(case, method, fp8=fp8))
+
+
+@triton.jit
+def _store_one_kernel(out_ptr):
+    tl.store(out_ptr + tl.program_id(0), 1.0)
+
+
+@triton.jit
+def _gather_cos_sin_rows_kernel(positions_ptr, cos_sin_ptr, out_ptr, ROW: tl.constexpr):
+    # The kernel's dependent chain alone: a token's position, then its cos/sin row.
+    token = tl.program_id(0)
+    columns = tl.arange(0, ROW)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    tl.store(out_ptr + token * ROW + columns, tl.load(cos_sin_ptr + position * ROW + columns))
+
+
+FLOOR_WAYS = ("empty launch of the kernel's grid", "device copy of kv (same bytes)", "position, then cos/sin row")
+
+
+def measure_floor(case: Case, way: str) -> Row:
+    """What bounds a decode-size call from below, under the kernel's own graph-replay method.
+
+    An empty launch of as many one-warp programs as the kernel's default grid (launch and
+    scheduling alone); a device copy of kv into a buffer of its size (the op's bytes, read
+    and written, by torch's copy); and one program per token loading its position, then
+    its cos/sin row (the kernel's chain of two dependent reads), over rotated inputs.
+    """
+    count = max(2, input_sets_needed(2 * case.kv_bytes()))
+    sets = input_sets(case, count)
+    block, heads, _ = default_launch_shape(case.total_ctx, case.config.num_kv_heads, case.config.head_dim)
+    programs = -(-case.total_ctx // block) * case.n_layers * (case.config.num_kv_heads // heads)
+    scratch = torch.empty(programs, device=DEVICE)
+    copies = [torch.empty_like(s.kv) for s in sets]
+    rows = [torch.empty_like(s.cos_sin_cache[:case.total_ctx]) for s in sets]
+    calls = {
+        FLOOR_WAYS[0]: lambda i: _store_one_kernel[(programs,)](scratch, num_warps=1),
+        FLOOR_WAYS[1]: lambda i: copies[i].copy_(sets[i].kv),
+        FLOOR_WAYS[2]: lambda i: _gather_cos_sin_rows_kernel[(case.total_ctx,)](
+            sets[i].positions, sets[i].cos_sin_cache, rows[i], ROW=case.config.rotary_dim, num_warps=1),
+    }
+    bytes_moved = 2 * case.kv_bytes() if way == FLOOR_WAYS[1] else 0
+    return Row(f"floor: {way}", case.total_ctx, f"{programs} programs" if way == FLOOR_WAYS[0] else "-",
+               graph_replay_seconds(calls[way], count), bytes_moved, "graph", count)
+
+
+def floor_rows(run, quick: bool) -> None:
+    for total_ctx in GRAPH_SIZES:
+        case = Case(DRAFT, N_LAYERS, total_ctx)
+        for way in FLOOR_WAYS:
+            run(f"floor: {way}", case, lambda: measure_floor(case, way))
 
 
 def baseline_rows(run, quick: bool) -> None:
@@ -448,8 +509,8 @@ def sweep_rows(run, quick: bool) -> None:
                 lambda: measure_cache(case, "do_bench", fp8=True, tile=as_tile(*tile)))
 
 
-SECTIONS = dict(draft=draft_rows, baselines=baseline_rows, variants=variant_rows, host=host_rows,
-                sweep=sweep_rows)
+SECTIONS = dict(draft=draft_rows, floor=floor_rows, baselines=baseline_rows, variants=variant_rows,
+                host=host_rows, sweep=sweep_rows)
 
 
 def main(argv=None) -> int:

@@ -31,7 +31,7 @@ done
 if [ "$QUICK" = "--quick" ]; then
     TORCH_ARGS=(--quick); JAX_ARGS=(--quick); MATERIALIZER_ARGS=(--quick)
 else
-    TORCH_ARGS=(--sections draft,baselines,variants,host); JAX_ARGS=(--quick); MATERIALIZER_ARGS=()
+    TORCH_ARGS=(--sections draft,floor,baselines,variants,host); JAX_ARGS=(--quick); MATERIALIZER_ARGS=()
 fi
 python3 -m benchmarks.bench_torch "${TORCH_ARGS[@]}" 2>&1 | tee "$LOGS/bench_torch.log" || status=1
 python3 -m benchmarks.bench_jax "${JAX_ARGS[@]}" 2>&1 | tee "$LOGS/bench_jax.log" || status=1
