@@ -10,8 +10,9 @@ tiles (``block_tokens``, ``block_heads``, ``num_warps``) at every size.
 Timing (METHOD.md): device time, not host dispatch. Each step is run many times under
 ``jax.profiler`` and the GPU's own kernel durations are read back from the trace
 (``jax.profiler.ProfileData``); a step's time is the sum of the kernels it launched,
-and the row gives the median over steps with the 10th-90th percentile spread. If the trace holds no GPU events, the
-fallback is host wall time over many queued steps (an upper bound, marked ``wall``).
+and the row gives the median over steps with the 10th-90th percentile spread. If the
+trace holds no GPU events, the fallback is host wall time over many queued steps (an
+upper bound, marked ``wall``).
 Inputs are random, the outputs donated back into the next step (written in place,
 as a serving loop would), and rotated over enough input sets to exceed the L2 cache
 where one set fits in it. Bandwidth is ``2 * kv.nbytes`` (read ``kv``, write K and V)
