@@ -391,7 +391,7 @@ def _prepared(metadata: tuple, validate, device: torch.device, to_slots: bool,
     return prepared
 
 
-def _prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
+def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
                   rope_style, k_out, v_out) -> tuple[CallShape, tuple, dict]:
     """A :func:`fused_kv_norm_rope` call validated: ``(call, plan, compiled)``, plan None when traced."""
     return _prepared((
@@ -406,10 +406,10 @@ def _prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads
     ), kv.device, False, False)
 
 
-def _prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+def prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
                         num_kv_heads, head_dim, rotary_dim, rope_style, k_scale,
                         v_scale) -> tuple[CallShape, tuple, dict]:
-    """A :func:`fused_kv_norm_rope_into_cache` call validated, as :func:`_prepare_call`."""
+    """A :func:`fused_kv_norm_rope_into_cache` call validated, as :func:`prepare_call`."""
     return _prepared((
         "cache", num_kv_heads, head_dim, rotary_dim, rope_style, kv.shape, kv.dtype, kv.device,
         k_norm_weight.shape, k_norm_weight.dtype, k_norm_weight.device, eps.shape, eps.dtype, eps.device,
@@ -435,9 +435,10 @@ def _check_positions_in_range(positions: torch.Tensor, max_position: int) -> Non
         )
 
 
-def _write_call(prepared, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
-                check_positions) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op on a call that ``_prepare_call`` accepted."""
+def write_prepared_call(prepared, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
+                        check_positions) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op on a call that :func:`prepare_call` accepted (the materializer validates
+    before its GEMM and writes after it)."""
     call, plan, compiled = prepared
     if positions.device != kv.device:
         positions = positions.to(kv.device, non_blocking=True)
@@ -460,9 +461,9 @@ def _write_call(prepared, kv, k_norm_weight, eps, cos_sin_cache, positions, k_ou
     return k_out, v_out
 
 
-def _write_cache_call(prepared, kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-                      k_scale, v_scale) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op into a cache on a call that ``_prepare_cache_call`` accepted."""
+def write_prepared_cache_call(prepared, kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache,
+                              v_cache, k_scale, v_scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op into a cache on a call that :func:`prepare_cache_call` accepted."""
     call, plan, compiled = prepared
     if call.total_ctx == 0:
         return k_cache, v_cache
@@ -517,8 +518,8 @@ def fused_kv_norm_rope(
     Returns:
       ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim].
     """
-    return _write_call(
-        _prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
+    return write_prepared_call(
+        prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
                       rope_style, k_out, v_out),
         kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, check_positions)
 
@@ -556,7 +557,7 @@ def fused_kv_norm_rope_into_cache(
     Returns:
       ``(k_cache, v_cache)``.
     """
-    return _write_cache_call(
-        _prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+    return write_prepared_cache_call(
+        prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
                             num_kv_heads, head_dim, rotary_dim, rope_style, k_scale, v_scale),
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale, v_scale)

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 # The op in its two steps, so that a bad call is rejected before the GEMM launches.
-from fusedkv_torch.kernel import _prepare_cache_call, _prepare_call, _write_cache_call, _write_call
+from fusedkv_torch.kernel import prepare_cache_call, prepare_call, write_prepared_cache_call, write_prepared_call
 from interop.materializer_spec import LayerKV, validate_layers, validate_materialize
 
 
@@ -166,9 +166,9 @@ class FusedKVMaterializer:
         """
         kv, gemm_out = self._workspace_view(ctx_hidden, max_position)
         op_args = (kv, self.k_norm_weight, self.eps, self.cos_sin_cache, positions)
-        prepared = _prepare_call(*op_args, *self._op_static, k_out, v_out)
+        prepared = prepare_call(*op_args, *self._op_static, k_out, v_out)
         self._project_into(gemm_out, ctx_hidden)
-        return _write_call(prepared, *op_args, k_out, v_out, False)
+        return write_prepared_call(prepared, *op_args, k_out, v_out, False)
 
     def materialize_layers(
         self,
@@ -223,9 +223,9 @@ class FusedKVMaterializer:
         kv, gemm_out = self._workspace_view(ctx_hidden, max_position)
         op_args = (kv, self.k_norm_weight, self.eps, self.cos_sin_cache, positions,
                    cache_loc, stacked_k, stacked_v)
-        prepared = _prepare_cache_call(*op_args, *self._op_static, k_scale, v_scale)
+        prepared = prepare_cache_call(*op_args, *self._op_static, k_scale, v_scale)
         self._project_into(gemm_out, ctx_hidden)
-        _write_cache_call(prepared, *op_args, k_scale, v_scale)
+        write_prepared_cache_call(prepared, *op_args, k_scale, v_scale)
         return k_cache, v_cache
 
     def _grow_workspace(self, numel: int) -> None:
