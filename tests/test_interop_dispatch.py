@@ -241,3 +241,16 @@ def test_a_call_that_passed_before_does_not_let_a_bad_one_through():
         with pytest.raises(ValueError, match=r"^Invalid k_out device/dtype"):
             interop.fused_kv_norm_rope(*args, **STATIC, k_out=bad, v_out=good, backend="torch")
     assert bool((bad == 3.0).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="CuPy arrays live on a CUDA device")
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_cupy_callers_get_reference_results_as_cupy_arrays(backend):
+    cupy = pytest.importorskip("cupy")
+    inputs = _inputs(seed=11, dtype="float16")  # CuPy has no bfloat16
+    k, v = interop.fused_kv_norm_rope(*(cupy.asarray(a) for a in inputs.arrays()), **STATIC, backend=backend)
+    assert framework_of(k) == framework_of(v) == "cupy"
+    k_ref, v_ref = fused_kv_norm_rope_reference(*inputs.arrays(), **STATIC)
+    assert_close(cupy.asnumpy(k), k_ref)
+    assert_bit_exact(cupy.asnumpy(v), v_ref)
