@@ -1,6 +1,6 @@
 """Device time of the Triton kernel on a GPU, beside plain PyTorch math (eager and compiled) and the copy ceiling.
 
-``python -m benchmarks.bench_torch [--quick] [--sections draft,floor,baselines,variants,host,sweep] [--json PATH]``
+``python -m benchmarks.bench_torch [--quick] [--sections draft,floor,baselines,variants,host,sweep,alternated] [--json PATH]``
 from the tree (``PYTHONPATH=.``). Rows, all bf16 unless named:
 
 * ``draft``: the draft shape (5 layers, 8 KV heads, head_dim 128, neox) at 16, 256, 4096
@@ -17,6 +17,8 @@ from the tree (``PYTHONPATH=.``). Rows, all bf16 unless named:
   launching directly and through Triton's ``kernel[grid]``, the compiled kernel's own
   launcher alone (the floor), the registered custom op, and a five-argument kernel
   launched through ``kernel[grid]`` as a yardstick;
+* ``alternated``: candidate tiles at 16, 256 and 512 tokens under graph replay, in
+  alternation over four rounds (their differences are within one run's spread);
 * ``sweep``: (block_tokens, heads_per_program, num_warps) tiles: graph replay at 16 and
   256 tokens, do_bench at 4096 and 32768, head_dim 256 at 4096, the fp8 cache.
 
@@ -34,6 +36,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import statistics
 import sys
 
 import numpy as np
@@ -509,8 +512,24 @@ def sweep_rows(run, quick: bool) -> None:
                 lambda: measure_cache(case, "do_bench", fp8=True, tile=as_tile(*tile)))
 
 
+# Candidate tiles at decode sizes, timed in alternation over rounds: their differences are
+# within one run's spread, so a single sweep row cannot separate them.
+ALTERNATED_TILES = {16: [(1, 1, 1), (2, 1, 1)], 256: [(1, 8, 2), (4, 8, 8), (2, 8, 4)],
+                    512: [(1, 8, 2), (4, 8, 8), (2, 8, 4)]}
+ROUNDS = 4
+
+
+def alternated_rows(run, quick: bool) -> None:
+    for round_ in range(2 if quick else ROUNDS):
+        for total_ctx, tiles in ALTERNATED_TILES.items():
+            case = Case(DRAFT, N_LAYERS, total_ctx)
+            for tile in tiles:
+                run(f"triton round {round_}", case, lambda: measure_kernel(
+                    case, "graph", name=f"triton round {round_}", tile=as_tile(*tile), check=round_ == 0))
+
+
 SECTIONS = dict(draft=draft_rows, floor=floor_rows, baselines=baseline_rows, variants=variant_rows,
-                host=host_rows, sweep=sweep_rows)
+                host=host_rows, sweep=sweep_rows, alternated=alternated_rows)
 
 
 def main(argv=None) -> int:
@@ -562,7 +581,15 @@ def main(argv=None) -> int:
         print("\n== host time above the compiled kernel's own launcher, per call at 16 tokens ==")
         for way, seconds in host.items():
             print(f"{way:40s} {seconds * 1e6:8.2f} us  (+{(seconds - floor) * 1e6:.2f} us)")
-    summary = [r for name, section in rows.items() if name != "sweep" for r in section]
+    if rows.get("alternated"):
+        print("\n== alternated tiles: per-round graph-replay us, median ==")
+        by_tile = {}
+        for r in rows["alternated"]:
+            by_tile.setdefault((r.total_ctx, r.tile), []).append(r.seconds * 1e6 if r.seconds else float("nan"))
+        for (total_ctx, tile), values in by_tile.items():
+            print(f"{total_ctx:6d}  {tile:18s} {' '.join(f'{v:6.2f}' for v in values)}   median "
+                  f"{statistics.median(values):.2f}")
+    summary = [r for name, section in rows.items() if name not in ("sweep", "alternated") for r in section]
     print(f"\n== fused KV norm+RoPE, torch/Triton: copy ceiling {copy_rate / 1e9:.0f} GB/s; bar: 85% of "
           f"copy ({0.85 * copy_rate / 1e9:.0f} GB/s) at 4096/32768, <=1.5 us at 16, <=4 us at 256 (graph) ==")
     print(format_table(summary, copy_rate))
