@@ -274,8 +274,8 @@ def supports_dependent_launch(device: torch.device) -> bool:
     With PDL the kernel may be launched while the kernel ahead of it in the stream is
     still running; it then waits for that kernel's completion before reading anything,
     so its results are as without PDL. What it saves is the launch latency between two
-    such kernels: on the H200, 16 tokens in graph replay took 1.55-2.0 us against
-    1.9-2.6 without (BENCHMARKS.md).
+    such kernels: on the H200, back-to-back 16-token calls in graph replay took 1.48 us
+    against 2.05 without, and 256-token calls 4.00 against 4.72 (BENCHMARKS.md).
     """
     return (device.type == "cuda" and not _launcher.interpreted
             and torch.cuda.get_device_capability(device)[0] >= 9)
