@@ -396,7 +396,7 @@ def _prepared(metadata: tuple, validate, device: torch.device, to_slots: bool,
 
 
 def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
-                  rope_style, k_out, v_out) -> tuple[CallShape, tuple, dict]:
+                 rope_style, k_out, v_out) -> tuple[CallShape, tuple, dict]:
     """A :func:`fused_kv_norm_rope` call validated: ``(call, plan, compiled)``, plan None when traced."""
     return _prepared((
         num_kv_heads, head_dim, rotary_dim, rope_style, kv.shape, kv.dtype, kv.device,
@@ -411,8 +411,8 @@ def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads,
 
 
 def prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-                        num_kv_heads, head_dim, rotary_dim, rope_style, k_scale,
-                        v_scale) -> tuple[CallShape, tuple, dict]:
+                       num_kv_heads, head_dim, rotary_dim, rope_style, k_scale,
+                       v_scale) -> tuple[CallShape, tuple, dict]:
     """A :func:`fused_kv_norm_rope_into_cache` call validated, as :func:`prepare_call`."""
     return _prepared((
         "cache", num_kv_heads, head_dim, rotary_dim, rope_style, kv.shape, kv.dtype, kv.device,
@@ -524,7 +524,7 @@ def fused_kv_norm_rope(
     """
     return write_prepared_call(
         prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
-                      rope_style, k_out, v_out),
+                     rope_style, k_out, v_out),
         kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, check_positions)
 
 
@@ -563,5 +563,5 @@ def fused_kv_norm_rope_into_cache(
     """
     return write_prepared_cache_call(
         prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-                            num_kv_heads, head_dim, rotary_dim, rope_style, k_scale, v_scale),
+                           num_kv_heads, head_dim, rotary_dim, rope_style, k_scale, v_scale),
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale, v_scale)
