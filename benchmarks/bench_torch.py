@@ -181,11 +181,15 @@ def tile_label(case: Case, tile: dict | None) -> str:
     return label if set(tile) - {"dependent_launch"} else f"default {label}"
 
 
+def input_set_count(case: Case, method: str) -> int:
+    # Graph replay repeats calls back to back: two sets at least, so no call finds its kv in L2.
+    return max(2 if method == "graph" else 1, input_sets_needed(2 * case.kv_bytes()))
+
+
 def measure_kernel(case: Case, method: str, *, name: str = "triton", tile: dict | None = None,
                    check: bool = True) -> Row:
     """The public call, or with ``tile`` (launch options) :func:`launch`, timed by ``method``."""
-    # Graph replay repeats calls back to back: two sets at least, so no call finds its kv in L2.
-    count = max(2 if method == "graph" else 1, input_sets_needed(2 * case.kv_bytes()))
+    count = input_set_count(case, method)
     sets = input_sets(case, count)
     config = case.config
 
@@ -381,9 +385,9 @@ def compiled_launcher_alone(case: Case, inputs: InputSet):
     return call
 
 
-# (block_tokens, heads_per_program, num_warps) per size, around the defaults: [1 token,
-# 8 heads, 128] tiles of 2 warps (and one-head programs below 64 tokens); [32, 1, 128]
-# tiles of 4 warps were the defaults before.
+# (block_tokens, heads_per_program, num_warps) per size, around the defaults (see
+# fusedkv_torch.kernel.default_launch_shape); [32, 1, 128] tiles of 4 warps were the
+# defaults in the first session.
 SWEEP_TILES = {
     16: [(1, 1, 1), (1, 2, 1), (1, 1, 2), (1, 8, 2), (2, 1, 1)],
     256: [(4, 1, 1), (1, 4, 1), (1, 8, 2), (2, 8, 2), (2, 8, 4), (4, 8, 4), (4, 8, 8)],
@@ -448,10 +452,10 @@ def measure_floor(case: Case, way: str) -> Row:
     and written, by torch's copy); and one program per token loading its position, then
     its cos/sin row (the kernel's chain of two dependent reads), over rotated inputs.
     """
-    count = max(2, input_sets_needed(2 * case.kv_bytes()))
+    count = input_set_count(case, "graph")
     sets = input_sets(case, count)
-    block, heads, _ = default_launch_shape(case.total_ctx, case.config.num_kv_heads, case.config.head_dim)
-    programs = -(-case.total_ctx // block) * case.n_layers * (case.config.num_kv_heads // heads)
+    programs = kernel_module._plan(case.config, case.total_ctx, case.n_layers, False, False, None, None, None,
+                                   False)[0]
     scratch = torch.empty(programs, device=DEVICE)
     copies = [torch.empty_like(s.kv) for s in sets]
     rows = [torch.empty_like(s.cos_sin_cache[:case.total_ctx]) for s in sets]
