@@ -222,23 +222,27 @@ def _next_power_of_2(n: int) -> int:
 def default_launch_shape(total_ctx: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
     """``(block_tokens, heads_per_program, num_warps)`` for a call of this size.
 
-    From the H200 runs (bench_torch, bf16, 5 layers, 8 heads of 128, with PDL): past 256
-    tokens, a [1 token, 8 heads, 128] tile with 2 warps (16 elements of K and 16 of V
-    per thread) was the best or within noise of it at every size: 6.85 us at 512
-    tokens, 93% of copy at 4096 (graph replay), 96% at 32768, and the fp8 cache's best
-    (head_dim 256: 4 warps, 91%). Fewer heads take more tokens, for tiles of about 8
-    rows. From 64 to 256 tokens, the same work per thread in four times fewer programs
-    ([4 tokens, 8 heads], 8 warps): at 256 tokens 3.97-4.04 us against 4.14-4.21 in
-    four alternated rounds, while at 512 it lost (7.05 against 6.85). Below 64 tokens,
-    programs of one head and two tokens with one warp: at 16 tokens 1.43-1.48 us
-    against 1.54-1.60 for one token (``bench_torch --sections alternated``).
+    Three regimes, chosen on the H200 by graph replay of every candidate tile in
+    alternated rounds beside a copy of the same bytes (BENCHMARKS.md): short contexts
+    take many one-warp programs of one head and two tokens, whose loads all start at
+    once; around 256 tokens, four-token tiles of up to 8 heads; otherwise, and for long
+    contexts, one-token tiles of up to 8 heads (16 elements of K and 16 of V per
+    thread). Fewer heads per program take more tokens, for tiles of about 8 rows.
     """
-    if total_ctx < 64:
+    if total_ctx < _SHORT_CONTEXT_END:
         return 2, 1, 1
     heads_per_program = min(8, num_kv_heads & -num_kv_heads)  # the largest power of two dividing the heads
-    block_tokens = max(1, 8 // heads_per_program) * (4 if total_ctx <= 256 else 1)
+    four_token_tiles = _FOUR_TOKEN_TILES[0] <= total_ctx < _FOUR_TOKEN_TILES[1]
+    block_tokens = max(1, 8 // heads_per_program) * (4 if four_token_tiles else 1)
     num_warps = max(1, min(8, block_tokens * heads_per_program * _next_power_of_2(head_dim) // 512))
     return block_tokens, heads_per_program, num_warps
+
+
+# Token counts where the tile regimes of default_launch_shape change (H200, draft shape):
+# two-token one-head tiles won up to 96 tokens and lost to one-token tiles of 8 heads at 128;
+# four-token tiles won at 256 and lost at 192 and 384.
+_SHORT_CONTEXT_END = 128
+_FOUR_TOKEN_TILES = (256, 384)
 
 
 @functools.lru_cache(maxsize=4096)

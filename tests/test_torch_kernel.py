@@ -89,12 +89,13 @@ def test_token_tiles_and_head_groups_cover_a_ragged_context(style, block_tokens,
     assert_matches_reference(inputs, config, k, v)
 
 
-@pytest.mark.parametrize("total_ctx", [63, 130])
-def test_decode_and_mid_size_contexts_on_their_default_tiles(total_ctx):
-    # Below 64 tokens two-token one-head tiles; from 64 to 256 four-token tiles of every head.
+@pytest.mark.parametrize("total_ctx, tile", [(127, (2, 1)), (130, (2, 4)), (257, (8, 4))])
+def test_decode_and_mid_size_contexts_on_their_default_tiles(total_ctx, tile):
+    # Below 128 tokens two-token one-head tiles; from 256 to 384 four-token tiles of every
+    # head (4 heads: 2 rows of tokens each); between and beyond, one-token rows of every head.
     config = FusedKVConfig(4, 64, 64, "gptj")
     block_tokens, heads_per_program, _ = kernel_module.default_launch_shape(total_ctx, 4, 64)
-    assert (block_tokens, heads_per_program) == ((2, 1) if total_ctx < 64 else (8, 4))
+    assert (block_tokens, heads_per_program) == tile
     inputs = random_inputs(config, n_layers=2, total_ctx=total_ctx, max_position=512, seed=4)
     assert_matches_reference(inputs, config, *fused_kv_norm_rope(*on_device(inputs), **static(config)))
 
