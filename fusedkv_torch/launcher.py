@@ -6,8 +6,9 @@ microseconds of host time for a kernel of some forty arguments, more than the ke
 itself runs at decode sizes. :class:`DirectLauncher` pays that once per specialization:
 the first call of a new key goes through ``kernel[grid]``, which compiles, launches and
 returns the compiled kernel; later calls of that key hand raw addresses and integers to
-the compiled kernel's own launcher (the call ``JITFunction.run`` ends with, the same on
-Triton 3.6 to 3.9).
+the compiled kernel's own runner, ``compiled[grid](*args)`` (Triton's public way to launch
+a compiled kernel: it takes the current stream from Triton's driver and calls the launch
+hooks, as ``JITFunction.run`` does; the same on Triton 3.6 to 3.9).
 
 The key must decide what Triton specializes a compilation on, which on Triton 3.6 to
 3.9 (``native_specialize_impl``) is: for a tensor its dtype and whether its address is
@@ -15,10 +16,11 @@ a multiple of 16 bytes; for an integer whether it fits 32 bits and, unless the k
 lists it in ``do_not_specialize``, whether it is 1 or a multiple of 16; None is a
 constant. The key holds exactly these. The first call of every key also compares them
 with Triton's own binder and, if they ever disagree (a Triton that specializes
-differently), turns direct launches off for good: a wrong guess costs host time,
-never a wrong kernel. Everything unusual takes ``kernel[grid]`` as before: the
-interpreter (``TRITON_INTERPRET=1``), launch hooks (profilers), a size argument past
-32 bits, a tensor off the current device (Triton then raises its own error).
+differently, or whose binder cannot be read), turns direct launches off for good: a
+wrong guess costs host time, never a wrong kernel. Everything unusual takes
+``kernel[grid]`` as before: the interpreter (``TRITON_INTERPRET=1``), a launch hook (a
+profiler) or Triton's debug mode, a size argument past 32 bits, a tensor off the
+current device (Triton then raises its own error).
 """
 
 from __future__ import annotations
@@ -26,12 +28,6 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-
-try:  # what Triton's driver itself uses for the stream; public fallback otherwise
-    from torch._C import _cuda_getCurrentRawStream as _raw_stream
-except ImportError:  # pragma: no cover - every supported torch has it
-    def _raw_stream(device: int) -> int:
-        return torch.cuda.current_stream(device).cuda_stream
 
 _INT32_END = 2**31
 
@@ -82,27 +78,29 @@ class DirectLauncher:
         in every tensor's dtype and device (and None-ness), ``constexprs``, ``num_warps``
         and ``launch_pdl``; the launcher keeps one per such signature when not given.
         """
-        knobs = self._runtime_knobs
-        # Profilers hook launches: None, or an empty HookChain (Triton 3.6 on), means none.
-        hooked = (getattr(knobs.launch_enter_hook, "calls", knobs.launch_enter_hook)
-                  or getattr(knobs.launch_exit_hook, "calls", knobs.launch_exit_hook))
-        if self.direct and not hooked and max(plain_ints) < _INT32_END:
+        if self.direct and not self._observed() and max(plain_ints) < _INT32_END:
             if compiled is None:
                 signature = (constexprs, num_warps, launch_pdl,
                              *[None if tensor is None else (tensor.dtype, tensor.get_device()) for tensor in tensors])
                 compiled = self._by_signature.setdefault(signature, {})
             addresses = [None if tensor is None else tensor.data_ptr() for tensor in tensors]
             key = (torch.cuda.current_device(), specialization_key(addresses, ints))
-            launcher = compiled.get(key)
-            if launcher is not None:
-                run, function, metadata = launcher
-                run(grid, 1, 1, _raw_stream(key[0]), function, metadata, None, None, None,
-                    *addresses, *plain_ints, *ints, *constexprs)
+            kernel = compiled.get(key)
+            if kernel is not None:
+                kernel[(grid, 1, 1)](*addresses, *plain_ints, *ints, *constexprs)
                 return
             self._compile_and_launch(compiled, key, grid, tensors, addresses, plain_ints, ints, constexprs,
                                      dict(num_warps=num_warps, launch_pdl=launch_pdl))
             return
         self.kernel[(grid,)](*tensors, *plain_ints, *ints, *constexprs, num_warps=num_warps, launch_pdl=launch_pdl)
+
+    def _observed(self) -> bool:
+        """Whether Triton's debug mode is on or a hook watches launches (a profiler):
+        those want every launch through ``kernel[grid]``."""
+        knobs = self._runtime_knobs
+        # A hook is None, a callable, or a HookChain (Triton 3.6 on) whose ``calls`` may be empty.
+        return bool(knobs.debug or any(hook is not None and getattr(hook, "calls", True)
+                                       for hook in (knobs.launch_enter_hook, knobs.launch_exit_hook)))
 
     def _compile_and_launch(self, compiled, key, grid, tensors, addresses, plain_ints, ints, constexprs,
                             options: dict) -> None:
@@ -118,7 +116,7 @@ class DirectLauncher:
             _, specialization, _ = binder(*args, **options)
             expected = expected_attributes(addresses, plain_ints, ints)
             if [attribute for _, attribute in specialization[:len(expected)]] == expected:
-                compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata)
+                compiled[key] = kernel
             else:
                 self.direct = False
         except Exception:  # a Triton whose internals differ: launch through kernel[grid] from now on
