@@ -138,7 +138,7 @@ def test_direct_launch_key_splits_calls_wherever_triton_specializes_them():
     rng = np.random.default_rng(0)
     buffer = torch.zeros(4096, dtype=torch.bfloat16)
     values = [0, 1, 2, 8, 15, 16, 17, 32, 48, 1024, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32]
-    _, constexprs, _, _ = kernel_module._plan(REAL, 64, 5, True, True, None, None, None, False)
+    _, constexprs, _, _ = kernel_module._plan(REAL, 64, 5, True, True, True, None, None, None, False)
     specializations = {}
     for _ in range(400):
         tensors = [None if rng.random() < 0.2 else buffer[int(rng.integers(0, 24)):] for _ in range(10)]
@@ -241,6 +241,107 @@ def test_positions_outside_the_cache_give_all_nan_k_rows_and_exact_v(style):
     k, v = fused_kv_norm_rope(*on_device(inputs), **static(config))
     assert torch.isnan(k[:, [0, 2, 4]]).all()
     assert not torch.isnan(k[:, [1, 3]]).any()
+    assert_matches_reference(inputs, config, k, v)
+
+
+# Edge values (README, "Edge values"): each against the reference and the rule itself.
+
+# NaN with a payload, negative NaN, signaling NaN, +Inf, -Inf: bit patterns per kv dtype.
+SPECIAL_BITS = {
+    "float32": (np.uint32, [0x7FC00001, 0xFFC00000, 0x7F800001, 0x7F800000, 0xFF800000]),
+    "bfloat16": (np.uint16, [0x7FC1, 0xFFC0, 0x7F81, 0x7F80, 0xFF80]),
+    "float16": (np.uint16, [0x7E01, 0xFE00, 0x7C01, 0x7C00, 0xFC00]),
+}
+
+
+def special_values(dtype):
+    width, bits = SPECIAL_BITS[dtype]
+    return np.array(bits, width).view(numpy_dtype(dtype))
+
+
+def edge_inputs(config, dtype, *, total_ctx=4, seed=50):
+    return random_inputs(config, n_layers=1, total_ctx=total_ctx, dtype=dtype, max_position=64, seed=seed)
+
+
+def k_head(kv, config, token, head):
+    """The K elements of one head of layer 0, as a writable view."""
+    return kv[token, 0, head * config.head_dim:(head + 1) * config.head_dim]
+
+
+def all_nan(k, token, head):
+    return bool(torch.isnan(k[0, token, head]).all())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_nan_and_inf_in_v_pass_through_bit_for_bit(dtype):
+    config = FusedKVConfig(2, 64, 64, "neox")
+    inputs = edge_inputs(config, dtype, total_ctx=2)
+    inputs.kv[0, 0, config.kv_size:config.kv_size + 5] = special_values(dtype)
+    inputs.kv[1, 0, -5:] = special_values(dtype)
+    k, v = fused_kv_norm_rope(*on_device(inputs), **static(config))
+    assert_matches_reference(inputs, config, k, v)
+    assert_bit_exact(v[0, 0, 0, :5], special_values(dtype))
+    assert not torch.isnan(k).any()
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_nan_or_inf_in_a_k_head_gives_that_head_all_nan(style):
+    config = FusedKVConfig(2, 128, 64, style)
+    inputs = edge_inputs(config, "bfloat16")
+    k_head(inputs.kv, config, 0, 0)[3] = np.nan
+    k_head(inputs.kv, config, 1, 1)[100] = np.inf  # in the unrotated tail
+    k_head(inputs.kv, config, 2, 0)[40] = -np.inf
+    k, v = fused_kv_norm_rope(*on_device(inputs), **static(config))
+    poisoned_heads = {(0, 0), (1, 1), (2, 0)}
+    for token in range(4):
+        for head in range(2):
+            assert all_nan(k, token, head) == ((token, head) in poisoned_heads)
+    assert not torch.isnan(k[:, 3]).any()
+    assert_matches_reference(inputs, config, k, v)
+
+
+def test_k_squares_overflowing_fp32_give_that_head_all_nan():
+    config = FusedKVConfig(2, 96, 32, "gptj")
+    inputs = edge_inputs(config, "float32")
+    k_head(inputs.kv, config, 1, 0)[7] = 1e20  # finite, but its square is not
+    k_head(inputs.kv, config, 2, 1)[:] = -2e19
+    k, v = fused_kv_norm_rope(*on_device(inputs), **static(config))
+    assert all_nan(k, 1, 0) and all_nan(k, 2, 1)
+    assert not torch.isnan(k[0, 1, 1]).any() and not torch.isnan(k[0, 2, 0]).any()
+    assert_matches_reference(inputs, config, k, v)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_eps_zero_with_zero_or_denormal_k_gives_zeros(dtype):
+    config = FusedKVConfig(2, 64, 32, "neox")
+    inputs = edge_inputs(config, dtype)
+    inputs.eps[:] = 0.0
+    k_head(inputs.kv, config, 0, 0)[:] = 0.0
+    # Denormal in fp32 and bf16 alike; their squares underflow to zero.
+    k_head(inputs.kv, config, 2, 1)[:] = 2.0 ** -130 * np.sign(np.arange(64) - 31.5)
+    k, v = fused_kv_norm_rope(*on_device(inputs), **static(config))
+    assert bool((k[0, 0, 0] == 0).all()) and bool((k[0, 2, 1] == 0).all())
+    assert bool((k[0, 0, 1] != 0).any()) and not torch.isnan(k).any()
+    assert_matches_reference(inputs, config, k, v)
+
+
+def test_fp16_output_beyond_its_range_is_inf():
+    config = FusedKVConfig(2, 64, 64, "gptj")
+    inputs = edge_inputs(config, "float16")
+    inputs.k_norm_weight[:] = 1e6
+    k, v = fused_kv_norm_rope(*on_device(inputs), **static(config))
+    assert bool(torch.isinf(k).any()) and not torch.isnan(k).any()
+    assert_matches_reference(inputs, config, k, v)
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_huge_weights_in_the_unrotated_tail_give_inf_not_nan(style):
+    config = FusedKVConfig(2, 128, 64, style)
+    inputs = edge_inputs(config, "float32")
+    inputs.k_norm_weight[:, 64:] = 3e38  # kn overflows fp32 wherever |k * inv_rms| > 1.14
+    k, v = fused_kv_norm_rope(*on_device(inputs), **static(config))
+    assert bool(torch.isinf(k[..., 64:]).any()) and not torch.isnan(k).any()
+    assert bool(torch.isfinite(k[..., :64]).all())
     assert_matches_reference(inputs, config, k, v)
 
 
