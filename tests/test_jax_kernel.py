@@ -19,7 +19,7 @@ from interop.arrays import numpy_dtype
 from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
 from interop.spec import FusedKVConfig, device_name
-from interop.tolerance import assert_bit_exact, assert_close
+from interop.tolerance import assert_bit_exact, assert_close, compare
 
 ON_GPU = jax.default_backend() == "gpu"
 JAX_DEVICE = device_name(jnp.zeros(1))  # where host (NumPy) arguments are computed on
@@ -367,6 +367,20 @@ def test_cache_writes_slots_in_range_and_leaves_the_rest(config, n_layers, slots
     k, v = fused_kv_norm_rope_into_cache(*host, slots, k_cache, v_cache, **_static(config), **scales)
     assert k.dtype == k_cache.dtype and v.dtype == v_cache.dtype
     _assert_cache_matches_reference(k, v, host, slots, k_cache, v_cache, scales, config)
+
+
+def test_fp8_cache_quantized_with_scales_five_percent_off_fails_the_comparison():
+    config = FusedKVConfig(2, 32, 16, "gptj")
+    host, slots, k_cache, v_cache, scales = _cache_case(
+        config, n_layers=2, total_ctx=6, num_slots=8, slots=[2, 7, -1, 0, 5, 3], k_dtype=FP8, v_dtype=FP8, seed=25)
+    k, v = fused_kv_norm_rope_into_cache(*host, slots, k_cache, v_cache, **_static(config), **scales)
+    _assert_cache_matches_reference(k, v, host, slots, k_cache, v_cache, scales, config)
+    off = {name: scale * np.float32(1.05) for name, scale in scales.items()}
+    k_off, v_off = fused_kv_norm_rope_into_cache(*host, slots, k_cache, v_cache, **_static(config), **off)
+    k_expected, v_expected = fused_kv_norm_rope_into_cache_reference(
+        *host, slots, k_cache, v_cache, **_static(config), **scales)
+    assert not compare(k_off, k_expected).ok
+    assert not compare(v_off, v_expected, name="v").ok
 
 
 def test_fp8_cache_saturates_at_448():
