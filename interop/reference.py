@@ -5,7 +5,8 @@ dtype at the end; V is copied byte for byte.
 
 Edge values, the same in the reference and both kernels (README, "Edge values"):
 
-- NaN and Inf in V pass through bit for bit (payload and sign included).
+- NaN and Inf in V pass through bit for bit (payload and sign included; the JAX
+  kernel in interpret mode on a CPU quiets bf16 NaNs, see README).
 - A K head whose fp32 sum of squares is not finite (a NaN or Inf among its K
   inputs, or ``|k|`` so large that ``k*k`` overflows fp32) comes out all NaN: that
   head only, other heads and V of the same token untouched.
