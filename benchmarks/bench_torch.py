@@ -367,7 +367,7 @@ def compiled_launcher_alone(case: Case, inputs: InputSet):
     for _ in range(2):  # the first compiles through kernel[grid], the second launches directly
         launch(*inputs.args(), inputs.k_out, inputs.v_out, config=case.config)
     grid, constexprs, num_warps, launch_pdl = kernel_module._plan(
-        case.config, case.total_ctx, case.n_layers, False, False, None, None, None,
+        case.config, case.total_ctx, case.n_layers, False, False, False, None, None, None,
         kernel_module.supports_dependent_launch(inputs.kv.device))
     signature = (constexprs, num_warps, launch_pdl,
                  *[None if t is None else (t.dtype, t.get_device()) for t in tensors])
@@ -454,8 +454,8 @@ def measure_floor(case: Case, way: str) -> Row:
     """
     count = input_set_count(case, "graph")
     sets = input_sets(case, count)
-    programs = kernel_module._plan(case.config, case.total_ctx, case.n_layers, False, False, None, None, None,
-                                   False)[0]
+    programs = kernel_module._plan(case.config, case.total_ctx, case.n_layers, False, False, False, None, None,
+                                   None, False)[0]
     scratch = torch.empty(programs, device=DEVICE)
     copies = [torch.empty_like(s.kv) for s in sets]
     rows = [torch.empty_like(s.cos_sin_cache[:case.total_ctx]) for s in sets]

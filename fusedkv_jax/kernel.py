@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from interop.exchange import narrow_for_jax
-from interop.reference import FP8_E4M3_MAX
+from interop.reference import FP8_E4M3_MAX, SMALLEST_NORMAL_FP32
 from interop.spec import FusedKVConfig, validate_cache_call, validate_call
 
 # A tile of about this many K elements per program, and this many per thread, keep the
@@ -152,10 +152,20 @@ def _fused_kv_kernel(
     sin = _load(cos_sin_ref.at[position_index, rotary_dim // 2 + freq[None, :]],
                 mask=row_mask, other=0.0)
 
-    inv_rms = jax.lax.rsqrt(jnp.sum(k * k, axis=-1, keepdims=True) / head_dim + eps)
-    k_rotated = (k * inv_rms * weight) * cos[:, None, :] + (
+    sum_squares = jnp.sum(k * k, axis=-1, keepdims=True)
+    mean_square_eps = sum_squares / head_dim + eps
+    # The edge values of interop.reference, decided once per head row: zeros where there is
+    # no scale to normalize by (rsqrt flushes denormals, hence a threshold), NaN where the
+    # sum of squares is not finite (NaN or Inf in K, k*k overflowed) or the token has no
+    # rotation. A NaN inv_rms poisons the whole row, the unrotated tail included.
+    inv_rms = jnp.where(mean_square_eps < SMALLEST_NORMAL_FP32, 0.0, jax.lax.rsqrt(mean_square_eps))
+    inv_rms = jnp.where(position_ok[:, None, None] & (sum_squares < jnp.inf), inv_rms, jnp.nan)
+    k_normed = k * inv_rms * weight
+    k_rotated = k_normed * cos[:, None, :] + (
         (k_partner * inv_rms * weight_partner) * (sin * sign[None, :])[:, None, :])
-    k_rotated = jnp.where(position_ok[:, None, None], k_rotated, jnp.nan)
+    # The unrotated tail is kn itself: through the rotation (cos 1, sin 0) an infinite kn
+    # would meet Inf * 0 and turn into NaN.
+    k_rotated = jnp.where(rotated[None, None, :], k_rotated, k_normed)
 
     # Skipped rows point one past the end: masked on the GPU, and dropped (not written
     # back with a stale value) by interpret mode's scatter.
@@ -165,7 +175,11 @@ def _fused_kv_kernel(
                                       (v_out_ref, v, v_scale_ref)):
         if scale_ref is not None:
             scale = _load(scale_ref.at[layer], mask=None, other=None)
-            value = jnp.clip(value.astype(jnp.float32) / scale, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+            value = value.astype(jnp.float32) / scale
+            # Comparisons, not jnp.clip: the Triton lowering's min/max (minnumf/maxnumf) would
+            # turn the NaN of a poisoned row into 448.
+            value = jnp.where(value > FP8_E4M3_MAX, FP8_E4M3_MAX,
+                              jnp.where(value < -FP8_E4M3_MAX, -FP8_E4M3_MAX, value))
         _store(out_ref.at[layer, row_index, heads[None, :, None], dims[None, None, :]],
                value, mask=store_ok)
 

@@ -33,10 +33,11 @@ import triton
 import triton.language as tl
 
 from fusedkv_torch.launcher import DirectLauncher
-from interop.reference import FP8_E4M3_MAX
+from interop.reference import FP8_E4M3_MAX, SMALLEST_NORMAL_FP32
 from interop.spec import CallShape, FusedKVConfig, validate_cache_call, validate_call
 
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
+_SMALLEST_NORMAL = tl.constexpr(SMALLEST_NORMAL_FP32)
 
 
 @triton.jit
@@ -106,7 +107,7 @@ def _fused_kv_norm_rope_kernel(
     k_stride_l, k_stride_row, k_stride_h, k_stride_d,
     v_stride_l, v_stride_row, v_stride_h, v_stride_d,
     N_LAYERS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
-    GPTJ: tl.constexpr, TO_SLOTS: tl.constexpr, QUANTIZE: tl.constexpr,
+    GPTJ: tl.constexpr, TO_SLOTS: tl.constexpr, QUANTIZE_K: tl.constexpr, QUANTIZE_V: tl.constexpr,
     BLOCK_T: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
     PAIR_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, HEAD_BLOCK: tl.constexpr,
     DEPENDENT_LAUNCH: tl.constexpr,
@@ -173,21 +174,21 @@ def _fused_kv_norm_rope_kernel(
         weight_tail = tl.load(weight_rows + tail_dims * weight_stride_d, mask=everywhere & (tail_dims < HEAD_DIM),
                               other=0.0).to(tl.float32)
     eps = tl.load(eps_ptr + layer * eps_stride)
-    if QUANTIZE:
+    # Each cache is quantized with its own scale: an fp8 K cache may sit beside a bf16 V cache.
+    if QUANTIZE_K:
         k_scale = tl.load(k_scale_ptr + layer * k_scale_stride)
-        v_scale = tl.load(v_scale_ptr + layer * v_scale_stride)
         k_inverse_scale = tl.div_rn(1.0, k_scale)
-        v_inverse_scale = tl.div_rn(1.0, v_scale)
     else:
         k_scale = 1.0
         k_inverse_scale = 1.0
-        v_scale = 1.0
-        v_inverse_scale = 1.0
+    if QUANTIZE_V:
+        v_scale = tl.load(v_scale_ptr + layer * v_scale_stride)
+        v_inverse_scale = tl.div_rn(1.0, v_scale)
 
     # V first: its writes start while K still waits for the cos/sin rows. Every load is
     # issued above, so none can be held back behind a store that might alias it.
-    if QUANTIZE:
-        v = _to_destination(v.to(tl.float32), v_scale, v_inverse_scale, v_dst_ptr.dtype.element_ty, QUANTIZE)
+    if QUANTIZE_V:
+        v = _to_destination(v.to(tl.float32), v_scale, v_inverse_scale, v_dst_ptr.dtype.element_ty, QUANTIZE_V)
     v_dst = v_dst_ptr + layer * v_stride_l + rows * v_stride_row + heads * v_stride_h
     tl.store(v_dst + head_dims * v_stride_d, v, mask=written & (head_dims < HEAD_DIM))
 
@@ -196,8 +197,13 @@ def _fused_kv_norm_rope_kernel(
         sum_squares += tl.sum(tail * tail, 2)
     # A product with the constant 1/HEAD_DIM, exact for powers of two and otherwise within
     # an fp32 ulp of the mean: a division would add a slow-path branch for nothing.
-    inv_rms = tl.math.rsqrt(sum_squares * (1.0 / HEAD_DIM) + eps)
-    inv_rms = tl.where(rotatable[:, None], inv_rms, float("nan"))[:, :, None]
+    mean_square_eps = sum_squares * (1.0 / HEAD_DIM) + eps
+    # The edge values of interop.reference, decided once per head row: zeros where there is
+    # no scale to normalize by (rsqrt flushes denormals, hence a threshold), NaN where the
+    # sum of squares is not finite (NaN or Inf in K, k*k overflowed) or the token has no
+    # rotation. A NaN inv_rms poisons the whole row, the unrotated tail included.
+    inv_rms = tl.where(mean_square_eps < _SMALLEST_NORMAL, 0.0, tl.math.rsqrt(mean_square_eps))
+    inv_rms = tl.where(rotatable[:, None] & (sum_squares < float("inf")), inv_rms, float("nan"))[:, :, None]
     first = first * inv_rms * weight_first
     second = second * inv_rms * weight_second
     rotated_first = first * cos - second * sin
@@ -206,12 +212,12 @@ def _fused_kv_norm_rope_kernel(
     k_dtype = k_dst_ptr.dtype.element_ty
     k_dst = k_dst_ptr + layer * k_stride_l + rows * k_stride_row + heads * k_stride_h
     _store_rotary_halves(k_dst, k_stride_d,
-                         _to_destination(rotated_first, k_scale, k_inverse_scale, k_dtype, QUANTIZE),
-                         _to_destination(rotated_second, k_scale, k_inverse_scale, k_dtype, QUANTIZE),
+                         _to_destination(rotated_first, k_scale, k_inverse_scale, k_dtype, QUANTIZE_K),
+                         _to_destination(rotated_second, k_scale, k_inverse_scale, k_dtype, QUANTIZE_K),
                          written, BLOCK_T, HEADS_PER_PROGRAM, PAIR_BLOCK, ROTARY_DIM, GPTJ)
     if TAIL_BLOCK > 0:
         tl.store(k_dst + tail_dims * k_stride_d,
-                 _to_destination(tail * inv_rms * weight_tail, k_scale, k_inverse_scale, k_dtype, QUANTIZE),
+                 _to_destination(tail * inv_rms * weight_tail, k_scale, k_inverse_scale, k_dtype, QUANTIZE_K),
                  mask=written & (tail_dims < HEAD_DIM))
 
 
@@ -246,8 +252,8 @@ _FOUR_TOKEN_TILES = (256, 384)
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, to_slots: bool, quantize: bool,
-          block_tokens: Optional[int], heads_per_program: Optional[int],
+def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, to_slots: bool, quantize_k: bool,
+          quantize_v: bool, block_tokens: Optional[int], heads_per_program: Optional[int],
           num_warps: Optional[int], dependent_launch: bool) -> tuple[int, tuple, int, bool]:
     """``(grid, constexpr values in kernel order, num_warps, dependent_launch)`` of a launch."""
     default_block, default_heads, default_warps = default_launch_shape(
@@ -260,7 +266,7 @@ def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, to_slots: bool, 
     tail = config.head_dim - config.rotary_dim
     constexprs = (
         n_layers, config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style == "gptj",
-        to_slots, quantize, block_tokens, heads_per_program, _next_power_of_2(config.rotary_dim // 2),
+        to_slots, quantize_k, quantize_v, block_tokens, heads_per_program, _next_power_of_2(config.rotary_dim // 2),
         _next_power_of_2(tail) if tail else 0, _next_power_of_2(config.head_dim), dependent_launch,
     )
     grid = -(-total_ctx // block_tokens) * n_layers * (config.num_kv_heads // heads_per_program)
@@ -294,7 +300,7 @@ def _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dst, v_dst
         (kv.shape[0], cos_sin_cache.shape[0], k_dst.shape[1]),
         (*kv.stride(), *k_norm_weight.stride(), *eps.stride(), *cos_sin_cache.stride(), *positions.stride(),
          *((0,) if cache_loc is None else cache_loc.stride()),
-         *((0, 0) if k_scale is None else (*k_scale.stride(), *v_scale.stride())),
+         *((0,) if k_scale is None else k_scale.stride()), *((0,) if v_scale is None else v_scale.stride()),
          *k_dst.stride(), *v_dst.stride()),
         constexprs, num_warps=num_warps, launch_pdl=dependent_launch, compiled=compiled,
     )
@@ -329,7 +335,7 @@ def launch(
     total_ctx, n_layers, _ = kv.shape
     if dependent_launch is None:
         dependent_launch = supports_dependent_launch(kv.device)
-    plan = _plan(config, total_ctx, n_layers, cache_loc is not None, k_scale is not None,
+    plan = _plan(config, total_ctx, n_layers, cache_loc is not None, k_scale is not None, v_scale is not None,
                  block_tokens, heads_per_program, num_warps, dependent_launch)
     _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dst, v_dst, cache_loc, k_scale, v_scale)
 
@@ -383,16 +389,16 @@ _PREPARED_CALLS: dict[tuple, tuple[CallShape, tuple, dict]] = {}
 _MAX_PREPARED_CALLS = 4096
 
 
-def _prepared(metadata: tuple, validate, device: torch.device, to_slots: bool,
-              quantize: bool) -> tuple[CallShape, tuple, dict]:
+def _prepared(metadata: tuple, validate, device: torch.device, to_slots: bool, quantize_k: bool,
+              quantize_v: bool) -> tuple[CallShape, tuple, dict]:
     """``(validate(), launch plan, compiled kernels)``, the first two computed once per ``metadata``."""
     if torch.compiler.is_compiling():
         return validate(), None, None
     prepared = _PREPARED_CALLS.get(metadata)
     if prepared is None:
         call = validate()
-        plan = _plan(call.config, call.total_ctx, call.n_layers, to_slots, quantize, None, None, None,
-                     supports_dependent_launch(device))
+        plan = _plan(call.config, call.total_ctx, call.n_layers, to_slots, quantize_k, quantize_v,
+                     None, None, None, supports_dependent_launch(device))
         if len(_PREPARED_CALLS) >= _MAX_PREPARED_CALLS:
             _PREPARED_CALLS.clear()
         prepared = _PREPARED_CALLS[metadata] = (call, plan, {})
@@ -411,7 +417,7 @@ def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads,
     ), lambda: validate_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads=num_kv_heads, head_dim=head_dim,
         rotary_dim=rotary_dim, rope_style=rope_style, k_out=k_out, v_out=v_out,
-    ), kv.device, False, False)
+    ), kv.device, False, False, False)
 
 
 def prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
@@ -430,7 +436,7 @@ def prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_l
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
         k_scale=k_scale, v_scale=v_scale,
-    ), kv.device, True, k_scale is not None)
+    ), kv.device, True, k_scale is not None, v_scale is not None)
 
 
 def _check_positions_in_range(positions: torch.Tensor, max_position: int) -> None:
@@ -481,7 +487,9 @@ def write_prepared_cache_call(prepared, kv, k_norm_weight, eps, cos_sin_cache, p
     if cache_loc.device != device:
         cache_loc = cache_loc.to(device, non_blocking=True)
     if k_scale is not None:
-        k_scale, v_scale = k_scale.to(device), v_scale.to(device)
+        k_scale = k_scale.to(device)
+    if v_scale is not None:
+        v_scale = v_scale.to(device)
     if plan is None:
         config = call.config
         torch.ops.fusedkv.write_fused_kv_norm_rope_into_cache(

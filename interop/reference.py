@@ -1,10 +1,27 @@
 """The one NumPy reference of the op; every test and benchmark compares against it.
 
 All arithmetic is fp32 (as the kernels do it) with a single rounding to the output
-dtype at the end; V is copied byte for byte. Positions outside
-``[0, cos_sin_cache.shape[0])`` have no rotation to apply, so their whole K row is
-NaN: loud, and identical in every backend, without the device-to-host sync that
-raising would need.
+dtype at the end; V is copied byte for byte.
+
+Edge values, the same in the reference and both kernels (README, "Edge values"):
+
+- NaN and Inf in V pass through bit for bit (payload and sign included; the JAX
+  kernel in interpret mode on a CPU quiets bf16 NaNs, see README).
+- A K head whose fp32 sum of squares is not finite (a NaN or Inf among its K
+  inputs, or ``|k|`` so large that ``k*k`` overflows fp32) comes out all NaN: that
+  head only, other heads and V of the same token untouched.
+- A K head whose fp32 ``mean(k*k) + eps`` is below the smallest normal fp32
+  (``2**-126``; e.g. ``eps`` 0 and an all-zero or denormal K) comes out all zeros
+  (``k * 0 * k_norm_weight``, so with finite weights): there is no scale to
+  normalize by. The GPU's rsqrt flushes denormals, so a threshold, not ``== 0``,
+  is what every implementation can agree on.
+- A position outside ``[0, cos_sin_cache.shape[0])`` has no rotation to apply, so
+  the token's whole K row is NaN: loud, and identical in every backend, without
+  the device-to-host sync that raising would need.
+- Otherwise IEEE arithmetic of the formula: the unrotated tail (dims ``>=
+  rotary_dim``) is ``kn`` itself, so an fp32 overflow there is +-Inf, not NaN; an
+  fp16/bf16 result beyond the dtype's range rounds to +-Inf; a float8_e4m3fn cache
+  saturates +-Inf and every quotient beyond the range to +-448 and keeps NaN.
 """
 
 from __future__ import annotations
@@ -49,7 +66,8 @@ def fused_kv_norm_rope_reference(
         rope_style=rope_style,
     )
     k, v = _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions)
-    return k.astype(v.dtype), v
+    with np.errstate(over="ignore"):  # beyond the dtype's range is +-Inf, by design
+        return k.astype(v.dtype), v
 
 
 def fused_kv_norm_rope_into_cache_reference(
@@ -93,13 +111,18 @@ def fused_kv_norm_rope_into_cache_reference(
     written = (slots >= 0) & (slots < k_cache.shape[1])
     for cache, values, scale in ((k_cache, k, k_scale), (v_cache, v.astype(np.float32), v_scale)):
         if scale is not None:
-            values = np.clip(values / scale.astype(np.float32)[:, None, None, None],
-                             -FP8_E4M3_MAX, FP8_E4M3_MAX)
-        cache[:, slots[written]] = values[:, written].astype(cache.dtype)
+            # np.clip keeps NaN; +-Inf saturate like every other quotient beyond the range.
+            with np.errstate(over="ignore", invalid="ignore"):
+                values = np.clip(values / scale.astype(np.float32)[:, None, None, None],
+                                 -FP8_E4M3_MAX, FP8_E4M3_MAX)
+        with np.errstate(over="ignore", invalid="ignore"):
+            cache[:, slots[written]] = values[:, written].astype(cache.dtype)
     return k_cache, v_cache
 
 
 FP8_E4M3_MAX = 448.0
+# Below this fp32 mean(k*k) + eps a K head comes out zeros (module docstring).
+SMALLEST_NORMAL_FP32 = 2.0 ** -126
 
 
 def _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions):
@@ -110,11 +133,14 @@ def _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions):
     half = rotary_dim // 2
 
     k = kv[:, :, :config.kv_size].astype(np.float32).reshape(total_ctx, n_layers, heads, dim)
-    inv_rms = 1.0 / np.sqrt(
-        np.mean(k * k, axis=-1, keepdims=True, dtype=np.float32)
-        + eps.astype(np.float32)[None, :, None, None]
-    )
-    normed = k * inv_rms * k_norm_weight.astype(np.float32)[None, :, None, :]
+    # Overflow, NaN and Inf are values here (the module docstring's edge values), not errors.
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
+        mean_square = np.mean(k * k, axis=-1, keepdims=True, dtype=np.float32)
+        mean_square_eps = mean_square + eps.astype(np.float32)[None, :, None, None]
+        inv_rms = np.where(mean_square_eps < SMALLEST_NORMAL_FP32, np.float32(0.0),
+                           np.float32(1.0) / np.sqrt(mean_square_eps))
+        inv_rms = np.where(np.isfinite(mean_square), inv_rms, np.float32(np.nan))
+        normed = k * inv_rms * k_norm_weight.astype(np.float32)[None, :, None, :]
 
     pos = positions.astype(np.int64)
     in_range = (pos >= 0) & (pos < call.max_position)
@@ -125,9 +151,10 @@ def _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions):
     pair = (slice(0, half), slice(half, rotary_dim)) if config.rope_style == "neox" else (
         slice(0, rotary_dim, 2), slice(1, rotary_dim, 2))
     first, second = normed[..., pair[0]], normed[..., pair[1]]
-    k_result = normed.copy()
-    k_result[..., pair[0]] = first * cos - second * sin
-    k_result[..., pair[1]] = second * cos + first * sin
+    k_result = normed.copy()  # dims past rotary_dim stay kn
+    with np.errstate(over="ignore", invalid="ignore"):
+        k_result[..., pair[0]] = first * cos - second * sin
+        k_result[..., pair[1]] = second * cos + first * sin
     k_result[~in_range] = np.nan
 
     v = kv[:, :, config.kv_size:].reshape(total_ctx, n_layers, heads, dim)

@@ -19,7 +19,7 @@ from interop.arrays import numpy_dtype
 from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
 from interop.spec import FusedKVConfig, device_name
-from interop.tolerance import assert_bit_exact, assert_close
+from interop.tolerance import assert_bit_exact, assert_close, compare
 
 ON_GPU = jax.default_backend() == "gpu"
 JAX_DEVICE = device_name(jnp.zeros(1))  # where host (NumPy) arguments are computed on
@@ -77,6 +77,115 @@ def test_out_of_range_positions_give_nan_rows_and_keep_v():
     _assert_matches_reference(k, v, host, config)
     rows_nan = np.isnan(np.asarray(k, np.float32)).all(axis=(0, 2, 3))
     assert rows_nan.tolist() == [True, True, True, False, True]
+
+
+# Edge values (README, "Edge values"): each against the reference and the rule itself.
+
+# NaN with a payload, negative NaN, signaling NaN, +Inf, -Inf: bit patterns per kv dtype.
+SPECIAL_BITS = {
+    "float32": (np.uint32, [0x7FC00001, 0xFFC00000, 0x7F800001, 0x7F800000, 0xFF800000]),
+    "bfloat16": (np.uint16, [0x7FC1, 0xFFC0, 0x7F81, 0x7F80, 0xFF80]),
+    "float16": (np.uint16, [0x7E01, 0xFE00, 0x7C01, 0x7C00, 0xFC00]),
+}
+
+
+def _special_values(dtype):
+    width, bits = SPECIAL_BITS[dtype]
+    return np.array(bits, width).view(numpy_dtype(dtype))
+
+
+def _edge_inputs(config, dtype, *, total_ctx=4):
+    return _inputs(config, n_layers=1, total_ctx=total_ctx, dtype=dtype, seed=50)
+
+
+def _k_head(kv, config, token, head):
+    """The K elements of one head of layer 0, as a writable view."""
+    return kv[token, 0, head * config.head_dim:(head + 1) * config.head_dim]
+
+
+def _all_nan(k, token, head):
+    return bool(np.isnan(np.asarray(k[0, token, head], np.float32)).all())
+
+
+@pytest.mark.parametrize("dtype", [
+    # Interpret mode stores through an XLA scatter, which on the CPU quiets bf16 NaNs and
+    # drops their payloads (sign kept); the GPU kernel stores the bits as loaded.
+    pytest.param("bfloat16", marks=pytest.mark.xfail(
+        not ON_GPU, strict=True, reason="XLA:CPU's bf16 scatter canonicalizes NaN payloads")),
+    "float16", "float32"])
+def test_nan_and_inf_in_v_pass_through_bit_for_bit(dtype):
+    config = FusedKVConfig(2, 16, 16, "neox")
+    host = _edge_inputs(config, dtype, total_ctx=2)
+    host[0][0, 0, config.kv_size:config.kv_size + 5] = _special_values(dtype)
+    host[0][1, 0, -5:] = _special_values(dtype)
+    k, v = fused_kv_norm_rope(*host, **_static(config))
+    _assert_matches_reference(k, v, host, config)
+    assert_bit_exact(v[0, 0, 0, :5], _special_values(dtype))
+    assert not np.isnan(np.asarray(k, np.float32)).any()
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_nan_or_inf_in_a_k_head_gives_that_head_all_nan(style):
+    config = FusedKVConfig(2, 32, 16, style)
+    host = _edge_inputs(config, "bfloat16")
+    _k_head(host[0], config, 0, 0)[3] = np.nan
+    _k_head(host[0], config, 1, 1)[20] = np.inf  # in the unrotated tail
+    _k_head(host[0], config, 2, 0)[10] = -np.inf
+    k, v = fused_kv_norm_rope(*host, **_static(config))
+    poisoned_heads = {(0, 0), (1, 1), (2, 0)}
+    for token in range(4):
+        for head in range(2):
+            assert _all_nan(k, token, head) == ((token, head) in poisoned_heads)
+    assert not np.isnan(np.asarray(k[:, 3], np.float32)).any()
+    _assert_matches_reference(k, v, host, config)
+
+
+def test_k_squares_overflowing_fp32_give_that_head_all_nan():
+    config = FusedKVConfig(2, 24, 8, "gptj")
+    host = _edge_inputs(config, "float32")
+    _k_head(host[0], config, 1, 0)[7] = 1e20  # finite, but its square is not
+    _k_head(host[0], config, 2, 1)[:] = -2e19
+    k, v = fused_kv_norm_rope(*host, **_static(config))
+    assert _all_nan(k, 1, 0) and _all_nan(k, 2, 1)
+    assert not np.isnan(np.asarray(k[0, 1, 1])).any() and not np.isnan(np.asarray(k[0, 2, 0])).any()
+    _assert_matches_reference(k, v, host, config)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_eps_zero_with_zero_or_denormal_k_gives_zeros(dtype):
+    config = FusedKVConfig(2, 16, 8, "neox")
+    host = _edge_inputs(config, dtype)
+    host[2][:] = 0.0
+    _k_head(host[0], config, 0, 0)[:] = 0.0
+    # Denormal in fp32 and bf16 alike; their squares underflow to zero.
+    _k_head(host[0], config, 2, 1)[:] = 2.0 ** -130 * np.sign(np.arange(16) - 7.5)
+    k, v = fused_kv_norm_rope(*host, **_static(config))
+    k32 = np.asarray(k, np.float32)
+    assert (k32[0, 0, 0] == 0).all() and (k32[0, 2, 1] == 0).all()
+    assert (k32[0, 0, 1] != 0).any() and not np.isnan(k32).any()
+    _assert_matches_reference(k, v, host, config)
+
+
+def test_fp16_output_beyond_its_range_is_inf():
+    config = FusedKVConfig(2, 16, 16, "gptj")
+    host = _edge_inputs(config, "float16")
+    host[1][:] = 1e6
+    k, v = fused_kv_norm_rope(*host, **_static(config))
+    k32 = np.asarray(k, np.float32)
+    assert np.isinf(k32).any() and not np.isnan(k32).any()
+    _assert_matches_reference(k, v, host, config)
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_huge_weights_in_the_unrotated_tail_give_inf_not_nan(style):
+    config = FusedKVConfig(2, 32, 16, style)
+    host = _edge_inputs(config, "float32")
+    host[1][:, 16:] = 3e38  # kn overflows fp32 wherever |k * inv_rms| > 1.14
+    k, v = fused_kv_norm_rope(*host, **_static(config))
+    k32 = np.asarray(k)
+    assert np.isinf(k32[..., 16:]).any() and not np.isnan(k32).any()
+    assert np.isfinite(k32[..., :16]).all()
+    _assert_matches_reference(k, v, host, config)
 
 
 def test_int64_positions_and_float64_weights_with_x64_enabled():
@@ -244,11 +353,12 @@ CACHE_CASES = [  # config, n_layers, slots (num_slots 10), k cache dtype, v cach
     (FusedKVConfig(2, 96, 32, "gptj"), 1, np.array([9, 2, -5], np.int64), "bfloat16", "bfloat16"),
     (FusedKVConfig(2, 16, 16, "neox"), 2, np.array([1, 4, -1, 8, 0, 2 ** 32 + 2], np.int64), FP8, FP8),
     (FusedKVConfig(1, 16, 8, "gptj"), 2, np.array([5], np.int32), FP8, "bfloat16"),
+    (FusedKVConfig(2, 24, 16, "neox"), 2, np.array([3, -1, 6], np.int32), "bfloat16", FP8),
 ]
 
 
 @pytest.mark.parametrize("config, n_layers, slots, k_dtype, v_dtype", CACHE_CASES,
-                         ids=["padding", "hd96-int64", "fp8-both", "fp8-k-one-token"])
+                         ids=["padding", "hd96-int64", "fp8-both", "fp8-k-one-token", "fp8-v-only"])
 def test_cache_writes_slots_in_range_and_leaves_the_rest(config, n_layers, slots, k_dtype, v_dtype):
     host, slots, k_cache, v_cache, scales = _cache_case(
         config, n_layers=n_layers, total_ctx=len(slots), num_slots=10, slots=slots,
@@ -259,6 +369,20 @@ def test_cache_writes_slots_in_range_and_leaves_the_rest(config, n_layers, slots
     _assert_cache_matches_reference(k, v, host, slots, k_cache, v_cache, scales, config)
 
 
+def test_fp8_cache_quantized_with_scales_five_percent_off_fails_the_comparison():
+    config = FusedKVConfig(2, 32, 16, "gptj")
+    host, slots, k_cache, v_cache, scales = _cache_case(
+        config, n_layers=2, total_ctx=6, num_slots=8, slots=[2, 7, -1, 0, 5, 3], k_dtype=FP8, v_dtype=FP8, seed=25)
+    k, v = fused_kv_norm_rope_into_cache(*host, slots, k_cache, v_cache, **_static(config), **scales)
+    _assert_cache_matches_reference(k, v, host, slots, k_cache, v_cache, scales, config)
+    off = {name: scale * np.float32(1.05) for name, scale in scales.items()}
+    k_off, v_off = fused_kv_norm_rope_into_cache(*host, slots, k_cache, v_cache, **_static(config), **off)
+    k_expected, v_expected = fused_kv_norm_rope_into_cache_reference(
+        *host, slots, k_cache, v_cache, **_static(config), **scales)
+    assert not compare(k_off, k_expected).ok
+    assert not compare(v_off, v_expected, name="v").ok
+
+
 def test_fp8_cache_saturates_at_448():
     config = FusedKVConfig(2, 16, 16, "neox")
     host, slots, k_cache, v_cache, _ = _cache_case(
@@ -267,6 +391,21 @@ def test_fp8_cache_saturates_at_448():
     k, v = fused_kv_norm_rope_into_cache(*host, slots, k_cache, v_cache, **_static(config), **scales)
     _assert_cache_matches_reference(k, v, host, slots, k_cache, v_cache, scales, config)
     assert np.abs(np.asarray(k, np.float32)[:, [0, 2, 3]]).max() == 448.0
+
+
+def test_fp8_cache_saturates_inf_and_big_values_and_keeps_nan():
+    config = FusedKVConfig(2, 16, 8, "neox")
+    host, slots, k_cache, v_cache, scales = _cache_case(
+        config, n_layers=1, total_ctx=3, num_slots=4, slots=[2, 0, 3], k_dtype=FP8, v_dtype=FP8, seed=26)
+    host[0][0, 0, config.kv_size:config.kv_size + 5] = [np.inf, -np.inf, 1e4, -1e4, np.nan]
+    host[0][0, 0, 5] = np.inf  # K head 0 of token 0: all NaN
+    host[1][:, 8:] = 3e38  # the unrotated tail overflows to +-Inf: +-448
+    k, v = fused_kv_norm_rope_into_cache(*host, slots, k_cache, v_cache, **_static(config), **scales)
+    _assert_cache_matches_reference(k, v, host, slots, k_cache, v_cache, scales, config)
+    k32, v32 = np.asarray(k, np.float32), np.asarray(v, np.float32)
+    assert np.isnan(k32[0, 2, 0]).all() and not np.isnan(k32[0, 2, 1]).any()
+    assert v32[0, 2, 0, :4].tolist() == [448, -448, 448, -448] and np.isnan(v32[0, 2, 0, 4])
+    assert np.abs(k32[0, 0, :, 8:]).max() == 448  # token 1's tail
 
 
 def test_cache_under_jit_with_donated_caches_updates_in_place():

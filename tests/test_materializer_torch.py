@@ -180,12 +180,18 @@ def test_per_layer_caches_that_are_not_one_pool_are_refused_untouched(layout):
         assert bool((cache == POISON).all())
 
 
+# Per-layer scales from 0.01 to 1 with random mantissas: a round scale (a power of two, or
+# a short decimal) divides bf16 values into exact fp8 ties, which Triton's interpreter
+# rounds away from zero (the GPU, like the reference, to even).
+K_SCALE, V_SCALE = (2.0 ** np.random.default_rng(8).uniform(-6.6, 0, (2, 3))).astype(np.float32).tolist()
+
+
 def test_fp8_cache_is_quantized_with_per_layer_scales():
     setup = _setup(total_ctx=5, seed=5)
     k_cache, v_cache = _poisoned_caches(setup, dtype=torch.float8_e4m3fn)
     k_before, v_before = as_numpy(k_cache).copy(), as_numpy(v_cache).copy()
-    k_scale = torch.tensor([0.5, 0.02, 1.0], device=DEVICE)
-    v_scale = torch.tensor([0.25, 1.0, 0.01], device=DEVICE)
+    k_scale = torch.tensor(K_SCALE, device=DEVICE)
+    v_scale = torch.tensor(V_SCALE, device=DEVICE)
     cache_loc = _slots(2, -1, 5, 8, 10)
     setup.materializer.materialize_into_cache(setup.ctx_hidden, setup.positions, cache_loc,
                                               k_cache, v_cache, k_scale=k_scale, v_scale=v_scale)
@@ -195,6 +201,29 @@ def test_fp8_cache_is_quantized_with_per_layer_scales():
         k_scale=as_numpy(k_scale), v_scale=as_numpy(v_scale))
     assert_fp8_close(k_cache, k_expected, triton_interpreter=DEVICE == "cpu")
     assert_fp8_close(v_cache, v_expected, name="v", triton_interpreter=DEVICE == "cpu")
+
+
+@pytest.mark.parametrize("fp8_cache", ["k", "v"])
+def test_mixed_caches_quantize_only_the_fp8_one_with_its_scale(fp8_cache):
+    setup = _setup(total_ctx=5, seed=6)
+    bf16_k, bf16_v = _poisoned_caches(setup)
+    fp8_k, fp8_v = _poisoned_caches(setup, dtype=torch.float8_e4m3fn)
+    k_cache, v_cache = (fp8_k, bf16_v) if fp8_cache == "k" else (bf16_k, fp8_v)
+    k_before, v_before = as_numpy(k_cache).copy(), as_numpy(v_cache).copy()
+    scales = {f"{fp8_cache}_scale": torch.tensor(K_SCALE if fp8_cache == "k" else V_SCALE, device=DEVICE)}
+    cache_loc = _slots(2, -1, 5, 8, 10)
+    setup.materializer.materialize_into_cache(setup.ctx_hidden, setup.positions, cache_loc,
+                                              k_cache, v_cache, **scales)
+    kv = setup.materializer.project(setup.ctx_hidden)
+    k_expected, v_expected = setup.case.op_reference(
+        kv, cache_loc=cache_loc, k_cache=k_before, v_cache=v_before,
+        **{name: as_numpy(scale) for name, scale in scales.items()})
+    if fp8_cache == "k":
+        assert_fp8_close(k_cache, k_expected, triton_interpreter=DEVICE == "cpu")
+        assert_bit_exact(v_cache, v_expected, name="v")
+    else:
+        assert_close(k_cache, k_expected)
+        assert_fp8_close(v_cache, v_expected, name="v", triton_interpreter=DEVICE == "cpu")
 
 
 def test_a_layer_mismatch_is_refused_naming_the_layer():

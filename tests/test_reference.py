@@ -130,3 +130,103 @@ def test_cache_reference_writes_each_token_to_its_slot_and_skips_padding(cache_d
     untouched = [1, 2, 3, 4, 6]
     assert_bit_exact(k_cache[:, untouched], poison[:, untouched])
     assert_bit_exact(v_cache[:, untouched], poison[:, untouched])
+
+
+# Edge values (the reference's docstring and README, "Edge values").
+
+# NaN with a payload, negative NaN, signaling NaN, +Inf, -Inf: bit patterns per kv dtype.
+SPECIAL_BITS = {
+    "float32": (np.uint32, [0x7FC00001, 0xFFC00000, 0x7F800001, 0x7F800000, 0xFF800000]),
+    "bfloat16": (np.uint16, [0x7FC1, 0xFFC0, 0x7F81, 0x7F80, 0xFF80]),
+    "float16": (np.uint16, [0x7E01, 0xFE00, 0x7C01, 0x7C00, 0xFC00]),
+}
+STATIC = dict(num_kv_heads=2, head_dim=16, rotary_dim=8)
+
+
+def edge_inputs(dtype, style="neox", total_ctx=4):
+    config = FusedKVConfig(2, 16, 8, style)
+    return random_inputs(config, n_layers=1, total_ctx=total_ctx, dtype=dtype, max_position=64, seed=50)
+
+
+def reference(inputs, style="neox"):
+    return fused_kv_norm_rope_reference(*inputs.arrays(), **STATIC, rope_style=style)
+
+
+def truth(inputs, style="neox", dtype=np.float32):
+    """The float64 truth rounded to ``dtype``; its edge heads are whatever float64 makes of them."""
+    with np.errstate(all="ignore"):
+        return float64_truth(*inputs.arrays(), 2, 16, 8, style).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_nan_and_inf_in_v_pass_through_bit_for_bit(dtype):
+    inputs = edge_inputs(dtype, total_ctx=2)
+    width, bits = SPECIAL_BITS[dtype]
+    specials = np.array(bits, width).view(numpy_dtype(dtype))
+    inputs.kv[0, 0, 32:37] = specials
+    k, v = reference(inputs)
+    assert_bit_exact(v[0, 0, 0, :5], specials)
+    assert_bit_exact(v, inputs.kv[:, :, 32:].reshape(2, 1, 2, 16).transpose(1, 0, 2, 3))
+    assert not np.isnan(k.astype(np.float32)).any()
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_nan_inf_or_overflowing_squares_in_a_k_head_give_that_head_all_nan(style):
+    inputs = edge_inputs("float32", style, total_ctx=5)
+    inputs.kv[0, 0, 3] = np.nan
+    inputs.kv[1, 0, 16 + 12] = np.inf  # head 1, in the unrotated tail
+    inputs.kv[2, 0, 5] = -np.inf
+    inputs.kv[3, 0, 16 + 7] = 1e20  # finite, but its square overflows fp32
+    k, _ = reference(inputs, style)
+    poisoned_heads = {(0, 0), (1, 1), (2, 0), (3, 1)}
+    clean = truth(inputs, style)
+    for token in range(5):
+        for head in range(2):
+            if (token, head) in poisoned_heads:
+                assert np.isnan(k[0, token, head].astype(np.float32)).all()
+            else:
+                assert_close(k[0, token, head], clean[0, token, head])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_eps_zero_with_zero_or_denormal_k_gives_zeros(dtype):
+    inputs = edge_inputs(dtype)
+    inputs.eps[:] = 0.0
+    inputs.kv[0, 0, :16] = 0.0
+    inputs.kv[2, 0, 16:32] = 2.0 ** -130 * np.sign(np.arange(16) - 7.5)  # denormal; squares underflow
+    k, _ = reference(inputs)
+    k32 = k.astype(np.float32)
+    assert (k32[0, 0, 0] == 0).all() and (k32[0, 2, 1] == 0).all()
+    assert_close(k[0, [1, 3]], truth(inputs, dtype=k.dtype)[0, [1, 3]])
+
+
+def test_fp16_output_beyond_its_range_is_inf():
+    inputs = edge_inputs("float16")
+    inputs.k_norm_weight[:] = 1e6
+    k, _ = reference(inputs)
+    assert np.isinf(k.astype(np.float32)).any()
+    assert_close(k, truth(inputs, dtype=np.float16))
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_huge_weights_in_the_unrotated_tail_give_inf_not_nan(style):
+    inputs = edge_inputs("float32", style)
+    inputs.k_norm_weight[:, 8:] = 3e38
+    k, _ = reference(inputs, style)
+    assert np.isinf(k[..., 8:]).any() and not np.isnan(k).any()
+    assert_close(k, truth(inputs, style))
+
+
+def test_fp8_cache_saturates_inf_and_big_values_and_keeps_nan():
+    inputs = edge_inputs("bfloat16", total_ctx=2)
+    inputs.kv[0, 0, 32:37] = [np.inf, -np.inf, 1e4, -1e4, np.nan]
+    inputs.kv[1, 0, 3] = np.inf  # K head 0 of token 1: all NaN
+    fp8 = numpy_dtype("float8_e4m3fn")
+    poison = np.zeros((1, 3, 2, 16), fp8)
+    scale = np.array([0.03], np.float32)
+    k_cache, v_cache = fused_kv_norm_rope_into_cache_reference(
+        *inputs.arrays(), np.array([2, 0]), poison, poison, **STATIC, k_scale=scale, v_scale=scale)
+    v = v_cache[0, 2, 0, :5].astype(np.float32)
+    assert v[:4].tolist() == [448, -448, 448, -448] and np.isnan(v[4])
+    k = k_cache.astype(np.float32)
+    assert np.isnan(k[0, 0, 0]).all() and not np.isnan(k[0, 0, 1]).any() and not np.isnan(k[0, 2]).any()
