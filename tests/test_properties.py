@@ -23,7 +23,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, currently_in_test_context, given, note, settings
+from hypothesis import HealthCheck, currently_in_test_context, given, note, settings
 from hypothesis import strategies as st
 
 from interop.arrays import as_numpy, numpy_dtype
@@ -166,10 +166,6 @@ class CacheCase:
         return {name: rng.uniform(0.01, 0.5, self.call.n_layers).astype(np.float32)
                 for name, dtype in (("k_scale", self.k_cache_dtype), ("v_scale", self.v_cache_dtype))
                 if dtype == FP8}
-
-    @property
-    def mixed_fp8(self) -> bool:
-        return (self.k_cache_dtype == FP8) != (self.v_cache_dtype == FP8)
 
 
 def _outside(end: int, index_dtype: str) -> list[int]:
@@ -406,30 +402,6 @@ def test_op_matches_reference_on_drawn_calls(backend, case):
 @PROFILE_SETTINGS
 @given(case=cache_cases())
 def test_cache_op_matches_reference_on_drawn_calls(backend, case):
-    # Known bug, pinned below: the torch backend crashes on, or ignores the scale of, a
-    # call with one fp8 and one plain cache. Remove this with the xfail below once fixed.
-    assume(not (backend.name == "torch" and case.mixed_fp8))
     check_cache_case(backend, case)
 
 
-MIXED_FP8_CALL = Call(n_layers=2, num_kv_heads=2, head_dim=64, rotary_dim=64, rope_style="neox",
-                      dtype="bfloat16", weight_dtype="float32", total_ctx=3, max_position=16,
-                      position_dtype="int32", out_of_range_positions=(), kv_workspace_padding=None,
-                      indices_on_host=False, seed=0)
-
-
-@pytest.mark.xfail(
-    strict=True, raises=(AttributeError, AssertionError),
-    reason="fusedkv_torch quantizes both caches or neither (QUANTIZE = k_scale is not None): "
-    "with an fp8 K cache only, v_scale None crashes (AttributeError); with an fp8 V cache "
-    "only, its scale is ignored (V off by up to ~100). DESIGN.md: such a call works or is "
-    "refused by validation.")
-@pytest.mark.parametrize("k_cache_dtype, v_cache_dtype", [(FP8, "bfloat16"), ("bfloat16", FP8)])
-def test_torch_cache_op_with_one_fp8_cache_works_or_is_refused(k_cache_dtype, v_cache_dtype):
-    pytest.importorskip("torch")
-    case = CacheCase(MIXED_FP8_CALL, spare_slots=2, slot_dtype="int64", k_cache_dtype=k_cache_dtype,
-                     v_cache_dtype=v_cache_dtype, skipped_slots=())
-    try:
-        check_cache_case(TorchBackend(), case)
-    except ValueError as refusal:
-        assert "for fused KV materialization" in str(refusal)
