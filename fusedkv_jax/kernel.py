@@ -60,6 +60,10 @@ _ELEMENTS_PER_THREAD = 16
 # Below this many programs (two per H200 multiprocessor) a short context leaves the
 # GPU idle, so smaller token blocks are taken instead.
 _MIN_PROGRAMS = 264
+# Interpret mode runs the grid as a loop that pays per program in proportion to the
+# arrays' size: a CPU run proves logic, not tiles, so it takes tiles of up to this many
+# K elements (5 layers, 8 heads of 128, 2048 tokens: 0.67 s a call against 40 s or more).
+_INTERPRETED_TILE_ELEMENTS = 1 << 20
 
 
 def _load(ref, *, mask, other):
@@ -184,8 +188,10 @@ def _fused_kv_kernel(
                value, mask=store_ok)
 
 
-def _tile(total_ctx, n_layers, num_kv_heads, head_dim, block_tokens, block_heads, num_warps):
-    """``(block_tokens, block_heads, num_warps)``: the overrides given, the rest chosen."""
+def _tile(total_ctx, n_layers, num_kv_heads, head_dim, block_tokens, block_heads, num_warps,
+          interpret=False):
+    """``(block_tokens, block_heads, num_warps)``: the overrides given, the rest chosen
+    (``interpret``: few, large programs)."""
     for name, value in (("block_tokens", block_tokens), ("block_heads", block_heads),
                         ("num_warps", num_warps)):
         if value is not None and (value < 1 or value & (value - 1)):
@@ -197,6 +203,9 @@ def _tile(total_ctx, n_layers, num_kv_heads, head_dim, block_tokens, block_heads
     def programs(block_tokens):
         return pl.cdiv(total_ctx, block_tokens) * n_layers * pl.cdiv(num_kv_heads, block_heads)
 
+    if block_tokens is None and interpret:
+        fitting = max(1, _INTERPRETED_TILE_ELEMENTS // (block_heads * block_dim))
+        block_tokens = min(pl.next_power_of_2(max(1, total_ctx)), 1 << (fitting.bit_length() - 1))
     if block_tokens is None:
         block_tokens = max(1, _TILE_ELEMENTS // (block_heads * block_dim))
         while block_tokens > 1 and programs(block_tokens) < _MIN_PROGRAMS:
@@ -327,8 +336,9 @@ def fused_kv_norm_rope(
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
         rope_style=rope_style, k_out=k_out, v_out=v_out,
     )
+    interpret = _on_cpu(kv) if interpret is None else interpret
     tile = _tile(call.total_ctx, call.n_layers, num_kv_heads, head_dim,
-                 block_tokens, block_heads, num_warps)
+                 block_tokens, block_heads, num_warps, interpret)
     if call.total_ctx == 0:
         empty = jnp.empty(call.output_shape, kv.dtype)
         return (empty if k_out is None else k_out), (empty if v_out is None else v_out)
@@ -336,7 +346,7 @@ def fused_kv_norm_rope(
     return _launch(
         kv, k_norm_weight, eps, cos_sin_cache, positions, None, k_out, v_out, None, None,
         config=call.config, block_tokens=tile[0], block_heads=tile[1], num_warps=tile[2],
-        interpret=_on_cpu(kv) if interpret is None else interpret,
+        interpret=interpret,
     )
 
 
@@ -386,8 +396,9 @@ def fused_kv_norm_rope_into_cache(
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
         rope_style=rope_style, k_scale=k_scale, v_scale=v_scale,
     )
+    interpret = _on_cpu(kv) if interpret is None else interpret
     tile = _tile(call.total_ctx, call.n_layers, num_kv_heads, head_dim,
-                 block_tokens, block_heads, num_warps)
+                 block_tokens, block_heads, num_warps, interpret)
     if call.total_ctx == 0:
         return k_cache, v_cache
     positions = narrow_for_jax(positions)
@@ -396,5 +407,5 @@ def fused_kv_norm_rope_into_cache(
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
         k_scale, v_scale,
         config=call.config, block_tokens=tile[0], block_heads=tile[1], num_warps=tile[2],
-        interpret=_on_cpu(kv) if interpret is None else interpret,
+        interpret=interpret,
     )

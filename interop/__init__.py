@@ -12,6 +12,8 @@ from interop.reference import (
 from interop.spec import FusedKVConfig, validate_cache_call, validate_call
 from interop.tolerance import TOLERANCES, assert_bit_exact, assert_close, compare
 
+__version__ = "0.1.0"
+
 __all__ = [
     "FusedKVConfig",
     "TOLERANCES",

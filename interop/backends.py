@@ -9,6 +9,7 @@ between backends is a difference of kernels, not of inputs.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import numpy as np
@@ -26,7 +27,8 @@ class BackendRun:
     device: str
     k: np.ndarray
     v: np.ndarray
-    seconds: float
+    first_call_seconds: float
+    second_call_seconds: float
 
 
 class BackendUnavailable(Exception):
@@ -58,16 +60,58 @@ def place_inputs(inputs: OpInputs) -> tuple:
     return inputs.arrays()
 
 
-def _device_label(name: str) -> str:
-    if gpu_framework() is None:
-        return f"CPU ({'Triton' if name == 'torch' else 'Pallas'} interpret)"
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """Where and how a backend's kernel runs here.
+
+    ``device``: the short label of ``fusedkv check``'s table; ``how``: the kernel, its
+    lowering, and whether it is compiled or interpreted, and why.
+    """
+
+    name: str
+    device: str
+    how: str
+
+
+def platform(name: str) -> Platform:
+    """What backend ``name`` runs on here, read from the frameworks without running anything."""
+    if not dispatch.backend_installed(name):
+        needs = "torch and triton" if name == "torch" else "jax"
+        return Platform(name, "-", f"not installed: needs {needs} (pip install fusedkv[{name}])")
     if name == "torch":
         import torch
 
-        return f"GPU ({torch.cuda.get_device_name()})"
+        if not torch.cuda.is_available():
+            return Platform(name, "CPU (Triton interpret)",
+                            "Triton kernel, interpreted (TRITON_INTERPRET=1) because torch sees no "
+                            "CUDA device")
+        gpu = torch.cuda.get_device_name()
+        major, minor = torch.cuda.get_device_capability()
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return Platform(name, "GPU (Triton interpret)",
+                            f"Triton kernel, interpreted because TRITON_INTERPRET=1 is set (GPU: {gpu})")
+        return Platform(name, f"GPU ({gpu})",
+                        f"Triton kernel, compiled for {gpu} (compute capability {major}.{minor})")
     import jax
 
-    return f"GPU ({jax.devices()[0].device_kind})"
+    if jax.default_backend() != "gpu":
+        return Platform(name, "CPU (Pallas interpret)",
+                        "Pallas kernel (Triton lowering), interpret mode because jax has no GPU "
+                        f"(its default backend is {jax.default_backend()})")
+    kind = jax.devices()[0].device_kind
+    return Platform(name, f"GPU ({kind})", f"Pallas kernel (Triton lowering), compiled for {kind}")
+
+
+def inputs_placement() -> str:
+    """Where :func:`place_inputs` puts the inputs, in words."""
+    framework = gpu_framework()
+    if framework == "torch":
+        return "torch tensors on cuda:0"
+    if framework == "jax":
+        import jax
+
+        return f"jax arrays on {jax.devices()[0]}"
+    return "NumPy arrays on the CPU"
 
 
 def _wait(outputs):
@@ -82,7 +126,7 @@ def _wait(outputs):
 
 
 def run_backend(name: str, placed: tuple, config: FusedKVConfig) -> BackendRun:
-    """Call backend ``name`` twice on ``placed`` (the first call compiles), time the second."""
+    """Call backend ``name`` twice on ``placed`` and time both calls (the first compiles)."""
     try:
         dispatch.load_backend(name)
     except ImportError as error:
@@ -93,8 +137,9 @@ def run_backend(name: str, placed: tuple, config: FusedKVConfig) -> BackendRun:
             *placed, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
             rotary_dim=config.rotary_dim, rope_style=config.rope_style, backend=name))
 
-    call()
     start = time.perf_counter()
+    call()
+    first = time.perf_counter()
     k, v = call()
-    seconds = time.perf_counter() - start
-    return BackendRun(name, _device_label(name), as_numpy(k), as_numpy(v), seconds)
+    second = time.perf_counter()
+    return BackendRun(name, platform(name).device, as_numpy(k), as_numpy(v), first - start, second - first)

@@ -1,64 +1,227 @@
-"""``fusedkv``: the project's command line; ``fusedkv check`` is its main job."""
+"""The ``fusedkv`` command line: ``check`` (the main job), ``info``, ``--version``."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import os
+import platform
 import sys
 
-from interop.equivalence import CheckOptions, run_check
+import interop
+from interop import backends, dispatch
+from interop.dispatch import BACKENDS
+from interop.equivalence import (
+    DEFAULT_TOKENS_CPU,
+    DEFAULT_TOKENS_GPU,
+    CheckOptions,
+    Row,
+    header,
+    row_lines,
+    run_check,
+    title,
+    verdict,
+)
+
+# Interpreted (no GPU), a check expected to take longer than this is announced with its
+# estimate, and one expected to take longer than the second is refused.
+WARN_SECONDS = 60
+REFUSE_SECONDS = 30 * 60
+PACKAGES = ("numpy", "ml_dtypes", "torch", "triton", "jax", "jaxlib")
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fusedkv", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+def _integer(text: str, least: int, expected: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < least:
+        raise argparse.ArgumentTypeError(f"got {text!r}, expected {expected}")
+    return value
+
+
+def _positive(text: str) -> int:
+    return _integer(text, 1, "a positive integer")
+
+
+def _non_negative(text: str) -> int:
+    return _integer(text, 0, "a non-negative integer")
+
+
+def _backend_list(text: str) -> tuple[str, ...] | None:
+    if text == "all":
+        return None
+    names = tuple(dict.fromkeys(text.split(",")))
+    if not all(name in BACKENDS for name in names):
+        raise argparse.ArgumentTypeError(
+            f"got {text!r}, expected 'all' or a comma-separated subset of {', '.join(BACKENDS)}")
+    return names
+
+
+def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = argparse.ArgumentParser(
+        prog="fusedkv",
+        description="fusedkv: the fused K/V materialization op (RMSNorm + RoPE on K, V copied "
+                    "bit for bit) as a Triton kernel for PyTorch and a Pallas kernel for JAX.",
+    )
+    parser.add_argument("--version", action="version", version=f"fusedkv {interop.__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="command")
     check = commands.add_parser(
         "check",
-        help="run every available backend on the same random inputs and compare them",
+        help="run every backend on the same random inputs and compare them",
         description=(
-            "Run every available backend (the NumPy reference, the Triton kernel through "
-            "PyTorch, the Pallas kernel through JAX; on a machine without a GPU the kernels "
-            "run in interpret mode) on the same random inputs, compare each with the "
-            "reference and with each other, and print a table. Exits 1 if anything disagrees."
+            "Run every available backend (the Triton kernel through PyTorch, the Pallas kernel "
+            "through JAX) on the same random input bytes, compare each with the NumPy reference "
+            "(K within the tolerance table's ulps, V bit for bit) and every pair of backends "
+            "with each other, and print each row as it is done. Each backend is called twice: "
+            "the first call compiles, the second is the steady cost. Without a GPU the kernels "
+            "run in interpret mode, which proves logic, not speed. Exits 1 if anything disagrees."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    check.add_argument("--layers", type=int, default=5, help="draft layers (n_layers)")
-    check.add_argument("--heads", type=int, default=8, help="KV heads (num_kv_heads)")
-    check.add_argument("--head-dim", type=int, default=128, help="head_dim")
-    check.add_argument("--rotary-dim", type=int, default=None,
-                       help="rotary_dim (default: head_dim, full rotary)")
-    check.add_argument("--rope-style", choices=("neox", "gptj"), default="neox")
+    check.add_argument("--layers", type=_positive, default=5, metavar="N", help="draft layers, n_layers (default: 5)")
+    check.add_argument("--heads", type=_positive, default=8, metavar="N", help="KV heads, num_kv_heads (default: 8)")
+    check.add_argument("--head-dim", type=_positive, default=128, metavar="N", help="head_dim (default: 128)")
+    check.add_argument("--rotary-dim", type=_positive, default=None, metavar="N",
+                       help="rotated dims of each head: even, at most head_dim (default: head_dim)")
+    check.add_argument("--rope-style", choices=("neox", "gptj"), default="neox",
+                       help="which dims RoPE rotates together: neox pairs dim i with i + rotary_dim/2 "
+                            "(halves), gptj pairs 2i with 2i+1 (interleaved) (default: neox)")
     check.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
-                       help="dtype of kv and of the outputs")
-    check.add_argument("--tokens", type=int, default=None,
-                       help="total_ctx (default: 4096 with a GPU, 16 in CPU interpret mode)")
-    check.add_argument("--max-position", type=int, default=32768,
-                       help="rows of the cos/sin cache; positions are drawn below it")
-    check.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    check.add_argument("--backends", default="all",
-                       help="comma-separated subset of: torch, jax (the reference always runs)")
-    check.add_argument("--json", action="store_true", help="print the result as JSON")
-    return parser
+                       help="dtype of kv and of the outputs (default: bfloat16)")
+    check.add_argument("--tokens", type=_positive, default=None, metavar="N",
+                       help=f"total_ctx (default: {DEFAULT_TOKENS_GPU} with a GPU, "
+                            f"{DEFAULT_TOKENS_CPU} in CPU interpret mode)")
+    check.add_argument("--max-position", type=_positive, default=32768, metavar="N",
+                       help="rows of the cos/sin cache; positions are drawn below it (default: 32768)")
+    check.add_argument("--seed", type=_non_negative, default=0, help="seed of the random inputs (default: 0)")
+    check.add_argument("--backends", type=_backend_list, default=None, metavar="LIST",
+                       help="'all' or a comma-separated subset of: torch, jax; the reference always "
+                            "runs (default: all)")
+    check.add_argument("--json", action="store_true",
+                       help="print the result as one JSON document at the end instead of the table")
+    info = commands.add_parser(
+        "info",
+        help="versions, devices, and how each backend runs here",
+        description="Print the installed versions, the devices each framework sees, and which "
+                    "kernel each backend runs here: compiled or interpreted, and why.",
+    )
+    return parser, {"check": check, "info": info}
+
+
+def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> CheckOptions:
+    """The options of ``check``, or an argparse error (usage, one line, exit 2) naming the bad one."""
+    rotary_dim = args.head_dim if args.rotary_dim is None else args.rotary_dim
+    if rotary_dim > args.head_dim or rotary_dim % 2:
+        parser.error(f"argument --rotary-dim: got {rotary_dim}, expected an even number "
+                     f"at most --head-dim ({args.head_dim})")
+    options = CheckOptions(
+        n_layers=args.layers, num_kv_heads=args.heads, head_dim=args.head_dim,
+        rotary_dim=rotary_dim, rope_style=args.rope_style, dtype=args.dtype,
+        total_ctx=args.tokens, max_position=args.max_position, seed=args.seed,
+        backends=args.backends,
+    )
+    shape = (f"{options.tokens()} tokens x {options.n_layers} layers x {options.num_kv_heads} KV heads "
+             f"x head_dim {options.head_dim}")
+    sizes = f"argument --tokens/--layers/--heads/--head-dim: {shape}"
+    kv_bytes, table_bytes = options.host_bytes()
+    memory = _physical_memory()
+    if memory is not None and kv_bytes + table_bytes > memory:
+        culprit = (f"argument --max-position: a cos/sin table of {options.max_position} rows of "
+                   f"{options.rotary_dim} needs" if table_bytes > kv_bytes else f"{sizes} need")
+        parser.error(f"{culprit} about {_gib(kv_bytes + table_bytes)} of host memory for the "
+                     f"check; this machine has {_gib(memory)}")
+    if backends.gpu_framework() is None:
+        seconds = options.interpreted_seconds()
+        if seconds > REFUSE_SECONDS:
+            parser.error(f"{sizes} in interpret mode (no GPU here) would take about "
+                         f"{_about(seconds)}; a CPU run proves logic, not speed: take fewer "
+                         "tokens, or run on a GPU")
+        if seconds > WARN_SECONDS:
+            print(f"fusedkv check: {shape} in interpret mode (no GPU here): expect about "
+                  f"{_about(seconds)}", file=sys.stderr, flush=True)
+    return options
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not a POSIX system
+        return None
+
+
+def _gib(n_bytes: int) -> str:
+    return f"{n_bytes / 2**30:,.0f} GiB" if n_bytes >= 10 * 2**30 else f"{n_bytes / 2**30:.1f} GiB"
+
+
+def _about(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} minutes" if seconds < 7200 else f"{seconds / 3600:.0f} hours"
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    options = _check_options(parser, args)
+    if args.json:
+        report = run_check(options)
+        print(json.dumps(report.as_dict(), indent=2))
+        return 0 if report.ok else 1
+
+    def print_row(row: Row) -> None:
+        print("\n".join(row_lines(row)), flush=True)
+
+    print(title(options, options.tokens()), header(), sep="\n", flush=True)
+    report = run_check(options, on_row=print_row)
+    print(verdict(report.ok))
+    return 0 if report.ok else 1
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _devices() -> list[str]:
+    lines = []
+    if dispatch.backend_installed("torch"):
+        import torch
+
+        cuda = [f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())]
+        lines.append(f"torch: {', '.join(cuda) if cuda else 'cpu only (no CUDA device)'}")
+    if dispatch.backend_installed("jax"):
+        import jax
+
+        lines.append(f"jax: {', '.join(str(device) for device in jax.devices())} "
+                     f"(default backend {jax.default_backend()})")
+    return lines
+
+
+def _info() -> int:
+    lines = [f"fusedkv {interop.__version__} from {os.path.dirname(os.path.dirname(interop.__file__))}",
+             f"Python {platform.python_version()} on {platform.machine()} {platform.system()}",
+             "packages: " + ", ".join(f"{name} {_version(name)}" for name in PACKAGES),
+             "devices:"]
+    lines += [f"  {line}" for line in _devices()]
+    lines.append("backends:")
+    lines += [f"  {name}: {backends.platform(name).how}" for name in BACKENDS]
+    lines.append(f"fusedkv check: inputs as {backends.inputs_placement()}, "
+                 f"{CheckOptions().tokens()} tokens by default")
+    print("\n".join(lines))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    options = CheckOptions(
-        n_layers=args.layers,
-        num_kv_heads=args.heads,
-        head_dim=args.head_dim,
-        rotary_dim=args.rotary_dim if args.rotary_dim is not None else args.head_dim,
-        rope_style=args.rope_style,
-        dtype=args.dtype,
-        total_ctx=args.tokens,
-        max_position=args.max_position,
-        seed=args.seed,
-        backends=None if args.backends == "all" else tuple(args.backends.split(",")),
-    )
-    report = run_check(options)
-    print(json.dumps(report.as_dict(), indent=2) if args.json else report.table())
-    return 0 if report.ok else 1
+    parser, subparsers = _parsers()
+    args, unknown = parser.parse_known_args(argv)
+    command = subparsers[args.command]
+    if unknown:
+        # argparse would answer with the top-level usage; the command's own is the useful one.
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if args.command == "info":
+        return _info()
+    return _check(command, args)
 
 
 if __name__ == "__main__":

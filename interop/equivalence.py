@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from typing import Callable
 
 from interop.backends import BackendUnavailable, gpu_framework, place_inputs, run_backend
 from interop.dispatch import BACKENDS
@@ -15,6 +16,17 @@ from interop.tolerance import bit_mismatches, compare
 
 DEFAULT_TOKENS_GPU = 4096
 DEFAULT_TOKENS_CPU = 16
+
+# What a check costs on the host, measured with `fusedkv check --tokens 1024` and `--tokens
+# 8192` (5 layers, 8 KV heads of 128, bf16, both backends interpreted) on the 2-core
+# development machine: 12.5 s and 99 s, 1.1 and 4.1 GB peak resident, 0.6 GB of which are
+# the frameworks. Per element of kv: about 47 bytes (inputs, the fp32 reference, each
+# backend's outputs, the comparisons' fp64 copies) and, interpreted, about 0.55 us per
+# backend (its two calls and its comparisons). The cos/sin table is built in fp64 (angles,
+# cos, sin, both joined) before its fp32 copy: about 32 bytes per element at its peak.
+HOST_BYTES_PER_KV_ELEMENT = 48
+HOST_BYTES_PER_TABLE_ELEMENT = 32
+INTERPRETED_SECONDS_PER_KV_ELEMENT_PER_BACKEND = 0.55e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +46,39 @@ class CheckOptions:
     def config(self) -> FusedKVConfig:
         return FusedKVConfig(self.num_kv_heads, self.head_dim, self.rotary_dim, self.rope_style)
 
+    @property
+    def backend_names(self) -> tuple[str, ...]:
+        return self.backends or BACKENDS
+
+    def tokens(self) -> int:
+        """``total_ctx``, or its default: 4096 tokens with a GPU, 16 in CPU interpret mode."""
+        if self.total_ctx is not None:
+            return self.total_ctx
+        return DEFAULT_TOKENS_CPU if gpu_framework() is None else DEFAULT_TOKENS_GPU
+
+    def kv_elements(self) -> int:
+        return self.tokens() * self.n_layers * 2 * self.num_kv_heads * self.head_dim
+
+    def host_bytes(self) -> tuple[int, int]:
+        """About the most host memory the check holds at once, for kv and what is made from
+        it, and for the cos/sin table (see the constants above)."""
+        return (HOST_BYTES_PER_KV_ELEMENT * self.kv_elements(),
+                HOST_BYTES_PER_TABLE_ELEMENT * self.max_position * self.rotary_dim)
+
+    def interpreted_seconds(self) -> float:
+        """About how long the backends take in interpret mode (no GPU), startup aside."""
+        return (INTERPRETED_SECONDS_PER_KV_ELEMENT_PER_BACKEND * self.kv_elements()
+                * len(self.backend_names))
+
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    """One line of the table: a backend against the reference, or two backends."""
+    """One line of the table: a backend against the reference, or two backends.
+
+    A backend is called twice on the same inputs: ``first_call_seconds`` includes
+    compiling (or, interpreted, the interpreter's own start-up), ``second_call_seconds``
+    is the steady cost. The reference has one call, counted as its first.
+    """
 
     subject: str
     device: str
@@ -45,8 +86,59 @@ class Row:
     k_max_ulps: float | None
     v_mismatches: int | None
     ok: bool | None
-    seconds: float | None
+    first_call_seconds: float | None
+    second_call_seconds: float | None
     detail: str
+
+
+# Fixed widths, so that a row can be printed the moment it is known; a longer cell (a long
+# GPU name) pushes the rest of its own line only.
+_COLUMNS = (("backend", 9), ("device", 22), ("against", 9), ("K max ulp", 9), ("V", 9),
+            ("result", 6), ("first call (compiles)", 21), ("second call", 11))
+
+
+def _line(cells) -> str:
+    return "  ".join(cell.ljust(width) for cell, (_, width) in zip(cells, _COLUMNS)).rstrip()
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.2f} ms"
+
+
+def title(options: CheckOptions, total_ctx: int) -> str:
+    o = options
+    return (f"fusedkv check: {o.n_layers} layers, {o.num_kv_heads} KV heads, head_dim "
+            f"{o.head_dim}, rotary_dim {o.rotary_dim} ({o.rope_style}), {o.dtype}, "
+            f"{total_ctx} tokens, seed {o.seed}")
+
+
+def header() -> str:
+    return _line([name for name, _ in _COLUMNS])
+
+
+def row_lines(row: Row) -> list[str]:
+    """The row as printed: its table line, then what went wrong, if anything did."""
+    result = {True: "PASS", False: "FAIL", None: "-" if row.subject == "reference" else "skipped"}
+    lines = [_line((
+        row.subject,
+        row.device,
+        row.against,
+        "-" if row.k_max_ulps is None else f"{row.k_max_ulps:.2f}",
+        "-" if row.v_mismatches is None else
+        ("bit-exact" if row.v_mismatches == 0 else f"{row.v_mismatches} differ"),
+        result[row.ok],
+        _duration(row.first_call_seconds),
+        _duration(row.second_call_seconds),
+    ))]
+    if row.detail:
+        lines.append(f"  {row.subject}{'' if row.against == '-' else ' vs ' + row.against}: {row.detail}")
+    return lines
+
+
+def verdict(ok: bool) -> str:
+    return "ALL PASS" if ok else "DISAGREEMENT FOUND"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,52 +159,42 @@ class CheckReport:
         }
 
     def table(self) -> str:
-        o = self.options
-        title = (f"fusedkv check: {o.n_layers} layers, {o.num_kv_heads} KV heads, head_dim "
-                 f"{o.head_dim}, rotary_dim {o.rotary_dim} ({o.rope_style}), {o.dtype}, "
-                 f"{self.total_ctx} tokens, seed {o.seed}")
-        header = ("backend", "device", "against", "K max ulp", "V", "result", "time")
-        lines = [header]
-        for row in self.rows:
-            lines.append((
-                row.subject,
-                row.device,
-                row.against,
-                "-" if row.k_max_ulps is None else f"{row.k_max_ulps:.2f}",
-                "-" if row.v_mismatches is None else
-                ("bit-exact" if row.v_mismatches == 0 else f"{row.v_mismatches} differ"),
-                {True: "PASS", False: "FAIL", None: "-" if row.subject == "reference" else "skipped"}[row.ok],
-                "-" if row.seconds is None else f"{row.seconds * 1e3:.2f} ms",
-            ))
-        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-        text = [title] + ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
-        text += [f"  {row.subject} vs {row.against}: {row.detail}" for row in self.rows
-                 if row.detail]
-        text.append("ALL PASS" if self.ok else "DISAGREEMENT FOUND")
-        return "\n".join(text)
+        lines = [title(self.options, self.total_ctx), header()]
+        lines += [line for row in self.rows for line in row_lines(row)]
+        lines.append(verdict(self.ok))
+        return "\n".join(lines)
 
 
-def _compare_row(subject, device, against, k, v, k_expected, v_expected, seconds, tolerance=None):
+def _compare_row(subject, device, against, k, v, k_expected, v_expected, seconds=(None, None),
+                 tolerance=None):
     k_result = compare(k, k_expected, name=f"{subject} k", tolerance=tolerance)
     v_count, v_first = bit_mismatches(v, v_expected)
     detail = k_result.report() if not k_result.ok else ""
     if v_count:
         detail += f"{'; ' if detail else ''}{subject} v: {v_count} elements differ bitwise, first at {v_first}"
     return Row(subject, device, against, k_result.max_ulps, v_count,
-               k_result.ok and v_count == 0, seconds, detail)
+               k_result.ok and v_count == 0, *seconds, detail)
 
 
-def run_check(options: CheckOptions, runners=None) -> CheckReport:
+def run_check(options: CheckOptions, runners=None,
+              on_row: Callable[[Row], None] | None = None) -> CheckReport:
     """Run the reference and the chosen backends on one set of inputs and compare them all.
 
-    ``runners`` maps backend names to callables ``(name, placed_inputs, config) ->
-    BackendRun`` (default: :func:`interop.backends.run_backend`); tests pass a
-    corrupted one to see the check fail.
+    Rows come in this order: the reference, each backend against the reference, then
+    every pair of backends that ran. ``on_row`` is called with each row as soon as it
+    is known (the command line prints it then). ``runners`` maps backend names to
+    callables ``(name, placed_inputs, config) -> BackendRun`` (default:
+    :func:`interop.backends.run_backend`); tests pass a corrupted one to see the check fail.
     """
-    runners = runners or {name: run_backend for name in (options.backends or BACKENDS)}
-    total_ctx = options.total_ctx
-    if total_ctx is None:
-        total_ctx = DEFAULT_TOKENS_CPU if gpu_framework() is None else DEFAULT_TOKENS_GPU
+    runners = runners or {name: run_backend for name in options.backend_names}
+    rows = []
+
+    def emit(row: Row) -> None:
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
+    total_ctx = options.tokens()
     config = options.config
     inputs = random_inputs(config, n_layers=options.n_layers, total_ctx=total_ctx,
                            dtype=options.dtype, max_position=options.max_position, seed=options.seed)
@@ -120,19 +202,18 @@ def run_check(options: CheckOptions, runners=None) -> CheckReport:
     k_ref, v_ref = fused_kv_norm_rope_reference(
         *inputs.arrays(), num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         rotary_dim=config.rotary_dim, rope_style=config.rope_style)
-    rows = [Row("reference", "CPU (NumPy)", "-", None, None, None, time.perf_counter() - start, "")]
+    emit(Row("reference", "CPU (NumPy)", "-", None, None, None, time.perf_counter() - start, None, ""))
     placed = place_inputs(inputs)
     runs = []
     for name, runner in runners.items():
         try:
             run = runner(name, placed, config)
         except BackendUnavailable as reason:
-            rows.append(Row(name, "-", "-", None, None, None, None, str(reason)))
+            emit(Row(name, "-", "-", None, None, None, None, None, str(reason)))
             continue
         runs.append(run)
-        rows.append(_compare_row(run.name, run.device, "reference", run.k, run.v,
-                                 k_ref, v_ref, run.seconds))
+        emit(_compare_row(run.name, run.device, "reference", run.k, run.v, k_ref, v_ref,
+                          (run.first_call_seconds, run.second_call_seconds)))
     for first, second in itertools.combinations(runs, 2):
-        rows.append(_compare_row(first.name, first.device, second.name, first.k, first.v,
-                                 second.k, second.v, None))
+        emit(_compare_row(first.name, first.device, second.name, first.k, first.v, second.k, second.v))
     return CheckReport(options, total_ctx, tuple(rows))

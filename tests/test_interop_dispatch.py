@@ -1,5 +1,6 @@
 """The backend-neutral call: every caller framework with every backend, over DLPack."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -11,7 +12,7 @@ jnp = jax.numpy
 
 import interop  # noqa: E402
 from interop import cli, equivalence  # noqa: E402
-from interop.backends import BackendRun, run_backend  # noqa: E402
+from interop.backends import run_backend  # noqa: E402
 from interop.exchange import framework_of, to_jax, to_torch  # noqa: E402
 from interop.inputs import random_inputs  # noqa: E402
 from interop.reference import fused_kv_norm_rope_reference  # noqa: E402
@@ -167,7 +168,7 @@ def _corrupting(run_name, index):
             return run
         k = run.k.copy()
         k[index] = np.float32(k[index]) + 1.0
-        return BackendRun(run.name, run.device, k, run.v, run.seconds)
+        return dataclasses.replace(run, k=k)
     return runner
 
 

@@ -94,11 +94,16 @@ def test_token_tiles_and_head_groups_cover_a_ragged_context(style, block_tokens,
 def test_decode_and_mid_size_contexts_on_their_default_tiles(total_ctx, tile):
     # Below 128 tokens two-token one-head tiles; from 256 to 384 four-token tiles of every
     # head (4 heads: 2 rows of tokens each); between and beyond, one-token rows of every head.
+    # The GPU's tiles, launched by name: interpreted, a call's default is a few large tiles.
     config = FusedKVConfig(4, 64, 64, "gptj")
-    block_tokens, heads_per_program, _ = kernel_module.default_launch_shape(total_ctx, 4, 64)
+    block_tokens, heads_per_program, num_warps = kernel_module.default_launch_shape(total_ctx, 4, 64)
     assert (block_tokens, heads_per_program) == tile
     inputs = random_inputs(config, n_layers=2, total_ctx=total_ctx, max_position=512, seed=4)
-    assert_matches_reference(inputs, config, *fused_kv_norm_rope(*on_device(inputs), **static(config)))
+    kv, *rest = on_device(inputs)
+    k, v = poisoned((2, total_ctx, 4, 64), kv.dtype), poisoned((2, total_ctx, 4, 64), kv.dtype)
+    launch(kv, *rest, k, v, config=config, block_tokens=block_tokens,
+           heads_per_program=heads_per_program, num_warps=num_warps)
+    assert_matches_reference(inputs, config, k, v)
 
 
 def test_long_ragged_context_of_one_head_takes_multi_token_tiles():

@@ -1,0 +1,219 @@
+"""The ``fusedkv`` command line as a user meets it: options, --version, info, check's output."""
+
+import importlib.metadata
+import json
+import re
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+
+import interop  # noqa: E402
+from interop import cli, dispatch, equivalence  # noqa: E402
+from interop.backends import gpu_framework, run_backend  # noqa: E402
+from interop.equivalence import CheckOptions, run_check  # noqa: E402
+
+ON_CPU = gpu_framework() is None
+SMALL = ["--layers", "2", "--heads", "2", "--head-dim", "32", "--tokens", "5"]
+ROWS = {("reference", "-"), ("torch", "reference"), ("jax", "reference"), ("torch", "jax")}
+
+
+def _refusal(argv, capsys, monkeypatch) -> str:
+    """``fusedkv check argv`` ends, before running anything, with the check's usage (not the
+    top-level one) and one line of error; returns that line."""
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the check ran")
+
+    monkeypatch.setattr(cli, "run_check", must_not_run)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["check", *argv])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.startswith("usage: fusedkv check ")
+    usage, message = err.rstrip("\n").rsplit("\n", 1)
+    assert "error" not in usage
+    assert message.startswith("fusedkv check: error: ")
+    return message.removeprefix("fusedkv check: error: ")
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--tokens", "1e9"], "--tokens"),
+    (["--tokens", "-16"], "--tokens"),
+    (["--tokens", "0"], "--tokens"),
+    (["--layers", "0"], "--layers"),
+    (["--heads", "-2"], "--heads"),
+    (["--head-dim", "12.5"], "--head-dim"),
+    (["--rotary-dim", "0"], "--rotary-dim"),
+    (["--max-position", "0"], "--max-position"),
+    (["--seed", "-1"], "--seed"),
+    (["--backends", "foo"], "--backends"),
+    (["--backends", "torch,"], "--backends"),
+    (["--dtype", "int8"], "--dtype"),
+    (["--rope-style", "llama"], "--rope-style"),
+])
+def test_a_bad_value_is_an_argparse_error_naming_its_option(argv, option, capsys, monkeypatch):
+    message = _refusal(argv, capsys, monkeypatch)
+    assert message.startswith(f"argument {option}: ") and repr(argv[1]) in message
+
+
+@pytest.mark.parametrize("argv", [["--rotary-dim", "129"], ["--rotary-dim", "63"],
+                                  ["--head-dim", "64", "--rotary-dim", "128"]])
+def test_rotary_dim_must_be_even_and_at_most_head_dim(argv, capsys, monkeypatch):
+    message = _refusal(argv, capsys, monkeypatch)
+    assert message.startswith(f"argument --rotary-dim: got {argv[-1]}, expected an even number "
+                              "at most --head-dim")
+
+
+SIZES = "argument --tokens/--layers/--heads/--head-dim: "
+
+
+@pytest.mark.parametrize("argv, start", [
+    (["--tokens", "1000000000"], SIZES + "1000000000 tokens x 5 layers x 8 KV heads x head_dim 128 need"),
+    (["--layers", "100000000"], SIZES + f"{16 if ON_CPU else 4096} tokens x 100000000 layers x"),
+    (["--max-position", "1000000000"], "argument --max-position: a cos/sin table of 1000000000 rows "
+                                       "of 128 needs"),
+])
+def test_sizes_beyond_the_machines_memory_are_refused_before_allocating(argv, start, capsys, monkeypatch):
+    message = _refusal(argv, capsys, monkeypatch)
+    assert message.startswith(start)
+    assert re.search(r" about [\d,.]+ GiB of host memory for the check; this machine has [\d.]+ GiB$", message)
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the interpret-mode estimate applies without a GPU")
+def test_interpret_mode_refuses_a_check_that_would_take_hours(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_physical_memory", lambda: 2**60)  # past the memory check
+    message = _refusal(["--tokens", "1000000"], capsys, monkeypatch)
+    assert re.fullmatch(SIZES + r"1000000 tokens x 5 layers x 8 KV heads x head_dim 128 in interpret "
+                        r"mode \(no GPU here\) would take about \d+ hours; .*", message)
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the interpret-mode estimate applies without a GPU")
+def test_interpret_mode_announces_a_long_check_with_its_estimate(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "WARN_SECONDS", 0)
+    assert cli.main(["check", *SMALL]) == 0
+    captured = capsys.readouterr()
+    assert re.fullmatch(r"fusedkv check: 5 tokens x 2 layers x 2 KV heads x head_dim 32 in "
+                        r"interpret mode \(no GPU here\): expect about \d+ s\n", captured.err)
+    assert captured.out.endswith("ALL PASS\n")
+
+
+def test_an_unknown_option_is_answered_with_the_commands_usage(capsys, monkeypatch):
+    assert _refusal(["--layers", "2", "--bogus"], capsys, monkeypatch) == "unrecognized arguments: --bogus"
+
+
+def test_help_shows_each_default_once_and_no_markup(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["check", "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
+    assert "``" not in out and "(default: None)" not in out
+    flat = " ".join(out.split())
+    assert "--rope-style {neox,gptj} which dims RoPE rotates together" in flat
+    for option in ("--layers", "--heads", "--head-dim", "--rotary-dim", "--rope-style", "--dtype",
+                   "--tokens", "--max-position", "--seed", "--backends"):
+        help_text = flat.split(f" {option} ", 2)[-1].split(" --")[0]
+        assert help_text.count("(default:") == 1, (option, help_text)
+
+
+def test_version_prints_the_package_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0
+    assert re.fullmatch(r"fusedkv \d+\.\d+\.\d+\S*\n", out)
+    try:
+        installed = importlib.metadata.version("fusedkv")
+    except importlib.metadata.PackageNotFoundError:  # run from the source tree (the GPU machine)
+        return
+    assert out == f"fusedkv {installed}\n"
+
+
+def test_info_names_versions_devices_and_how_each_backend_runs(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"fusedkv {interop.__version__} from ")
+    assert f"torch {torch.__version__}" in out and f"jax {jax.__version__}" in out
+    assert f"default backend {jax.default_backend()}" in out
+    lines = {line.strip().split(":")[0]: line.strip() for line in out.splitlines()}
+    if torch.cuda.is_available():
+        assert f"compiled for {torch.cuda.get_device_name()}" in lines["torch"]
+    else:
+        assert lines["torch"] == ("torch: Triton kernel, interpreted (TRITON_INTERPRET=1) "
+                                  "because torch sees no CUDA device")
+    if jax.default_backend() == "gpu":
+        assert lines["jax"].startswith("jax: Pallas kernel (Triton lowering), compiled for ")
+    else:
+        assert lines["jax"].startswith("jax: Pallas kernel (Triton lowering), interpret mode because jax has no GPU")
+
+
+def test_run_check_hands_over_each_row_before_the_next_backend_runs():
+    events = []
+
+    def recording_runner(name, placed, config):
+        events.append(("run", name))
+        return run_backend(name, placed, config)
+
+    options = CheckOptions(n_layers=2, num_kv_heads=2, head_dim=32, rotary_dim=32, total_ctx=5)
+    report = run_check(options, runners={"torch": recording_runner, "jax": recording_runner},
+                       on_row=lambda row: events.append(("row", row.subject, row.against)))
+    assert events == [("row", "reference", "-"), ("run", "torch"), ("row", "torch", "reference"),
+                      ("run", "jax"), ("row", "jax", "reference"), ("row", "torch", "jax")]
+    assert [(row.subject, row.against) for row in report.rows] == [event[1:] for event in events
+                                                                  if event[0] == "row"]
+
+
+def test_check_prints_each_row_as_soon_as_it_is_known(capsys, monkeypatch):
+    printed_before = {}
+
+    def runner(name, placed, config):
+        printed_before[name] = capsys.readouterr().out.splitlines()
+        return run_backend(name, placed, config)
+
+    monkeypatch.setattr(equivalence, "run_backend", runner)
+    assert cli.main(["check", *SMALL]) == 0
+    title, header, reference = printed_before["torch"]
+    assert title.startswith("fusedkv check: 2 layers, 2 KV heads, head_dim 32") and header.startswith("backend")
+    assert reference.startswith("reference ")
+    (torch_row,) = printed_before["jax"]
+    assert torch_row.startswith("torch ") and " reference " in torch_row and " PASS " in torch_row
+    jax_row, pair_row, last = capsys.readouterr().out.splitlines()
+    assert jax_row.startswith("jax ") and pair_row.startswith("torch ") and last == "ALL PASS"
+
+
+def test_the_time_columns_show_the_first_call_apart_from_the_second(capsys, monkeypatch):
+    calls = []
+    real_call = dispatch.fused_kv_norm_rope
+
+    def slow_first_call(*args, backend, **kwargs):
+        calls.append(backend)
+        if calls.count(backend) == 1:
+            time.sleep(0.5)  # stands for a compilation
+        return real_call(*args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(dispatch, "fused_kv_norm_rope", slow_first_call)
+    assert cli.main(["check", *SMALL, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    backend_rows = [row for row in report["rows"] if row["against"] == "reference"]
+    assert calls == ["torch", "torch", "jax", "jax"] and len(backend_rows) == 2
+    for row in backend_rows:
+        assert row["first_call_seconds"] >= 0.5 > row["second_call_seconds"] > 0, row
+    assert cli.main(["check", *SMALL]) == 0
+    header, torch_row = capsys.readouterr().out.splitlines()[1:4:2]
+    assert header.endswith("first call (compiles)  second call")
+    assert re.search(r"PASS +[\d.]+ m?s +[\d.]+ m?s$", torch_row)
+
+
+def test_check_with_its_defaults_compares_every_backend_and_pair(capsys):
+    assert cli.main(["check", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)  # one document: no streamed rows mixed in
+    assert report["ok"] and report["options"]["total_ctx"] == (16 if ON_CPU else 4096)
+    assert {(row["subject"], row["against"]) for row in report["rows"]} == ROWS
+    for row in report["rows"]:
+        if row["subject"] != "reference":
+            assert row["ok"] is True and row["v_mismatches"] == 0 and row["k_max_ulps"] is not None, row
+    assert cli.main(["check"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 + len(ROWS) + 1 and lines[-1] == "ALL PASS"
+    assert [line.split()[0] for line in lines[2:-1]] == ["reference", "torch", "jax", "torch"]

@@ -1,0 +1,38 @@
+"""Interpret mode (a machine without a GPU) takes few, large programs in both kernels: the
+interpreters pay per program, and a CPU run proves logic, not tiles. The GPU's tiles stay
+as they were, and are what a compiled kernel gets."""
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("jax")
+
+from fusedkv_jax.kernel import _tile  # noqa: E402
+from fusedkv_torch.kernel import default_launch_shape  # noqa: E402
+
+
+@pytest.mark.parametrize("total_ctx, heads, head_dim, expected", [
+    (16, 8, 128, (16, 8, 1)),        # the check's default: one program per layer
+    (1, 8, 128, (1, 8, 1)),
+    (19, 6, 96, (32, 2, 1)),         # the largest power of two dividing the heads; ragged tokens
+    (100_000, 8, 128, (1024, 8, 1)),  # at most 2**20 elements of K per program
+    (100_000, 1, 4096, (256, 1, 1)),
+])
+def test_interpreted_triton_tiles_hold_many_tokens_and_heads(total_ctx, heads, head_dim, expected):
+    assert default_launch_shape(total_ctx, heads, head_dim, interpreted=True) == expected
+    assert default_launch_shape(total_ctx, heads, head_dim) != expected  # the GPU's own choice
+
+
+@pytest.mark.parametrize("total_ctx, heads, head_dim, expected", [
+    (16, 8, 128, (16, 8)),
+    (19, 6, 96, (32, 8)),            # every head in one block, padded to a power of two
+    (100_000, 8, 128, (1024, 8)),    # at most 2**20 elements of K per program
+    (5, 2, 32, (8, 2)),
+])
+def test_interpreted_pallas_tiles_hold_many_tokens(total_ctx, heads, head_dim, expected):
+    assert _tile(total_ctx, 5, heads, head_dim, None, None, None, interpret=True)[:2] == expected
+    assert _tile(total_ctx, 5, heads, head_dim, None, None, None)[0] < expected[0]  # the GPU's
+
+
+def test_interpreted_pallas_tiles_keep_the_overrides_given():
+    assert _tile(16, 5, 8, 128, 2, 4, 1, interpret=True) == (2, 4, 1)
