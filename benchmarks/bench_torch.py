@@ -107,7 +107,7 @@ class InputSet:
 def input_sets(case: Case, count: int, seed: int = 0) -> list[InputSet]:
     """Random device inputs (``fusedkv bench``'s, generated on the GPU), each with its outputs."""
     workload = Workload(BenchShape("case", case.config, case.n_layers, "-"), case.total_ctx, case.dtype,
-                        framework="torch", seed=seed, set_count=count)
+                        framework="torch", seed=seed, set_count=count, torch_device=DEVICE)
     shape = case.config.output_shape(case.n_layers, case.total_ctx)
     return [InputSet(*workload.op_args(i, "torch"), torch.empty(shape, dtype=case.torch_dtype, device=DEVICE),
                      torch.empty(shape, dtype=case.torch_dtype, device=DEVICE)) for i in range(count)]
