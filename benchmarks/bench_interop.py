@@ -3,7 +3,7 @@
 ``python -m benchmarks.bench_interop`` on a GPU: at 16 tokens (bf16, 5 layers, 8 KV
 heads, head_dim 128; the kernel is far shorter than the host work, so host wall time
 per call is what a caller pays), each row times a long loop of calls synchronized
-only at its ends (:func:`benchmarks.measure.host_seconds_per_call`); the overhead
+only at its ends (:func:`interop.bench.timers.host_seconds_per_call`); the overhead
 column is the row minus the bare call of the same backend.
 """
 
@@ -13,8 +13,9 @@ import sys
 
 import jax
 
-from benchmarks.measure import DRAFT, DRAFT_STATIC, N_LAYERS, host_seconds_per_call
+from benchmarks.measure import DRAFT, DRAFT_STATIC, N_LAYERS
 from interop import dispatch
+from interop.bench.timers import host_seconds_per_call
 from interop.exchange import to_torch
 from interop.inputs import random_inputs
 

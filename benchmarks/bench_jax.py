@@ -36,22 +36,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.measure import (
-    COPY_BYTES,
-    DRAFT,
-    MAX_POSITION,
-    N_LAYERS,
-    Row,
-    copy_bytes_per_second,
-    format_table,
-    guarded,
-    input_sets_needed,
-    verdict,
-)
+from benchmarks.measure import DRAFT, N_LAYERS, Row, format_table, guarded
 from fusedkv_jax import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
+from interop.bench.baselines import jnp_reference_math
+from interop.bench.check import verdict
+from interop.bench.shapes import MAX_POSITION
+from interop.bench.timers import COPY_BYTES, copy_bytes_per_second
+from interop.bench.workload import input_sets_needed
 from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
-from interop.spec import FusedKVConfig
 
 SIZES = (16, 256, 4096, 32768)
 SWEEP_SIZES = (16, 256, 4096, 32768)
@@ -59,23 +52,6 @@ SWEEP_SIZES = (16, 256, 4096, 32768)
 SMALL_STEPS = 100
 # The NumPy reference of a whole paged cache is slow past this many tokens.
 CACHE_CHECK_LIMIT = 4096
-
-
-def jnp_neox_baseline(kv, k_norm_weight, eps, cos_sin_cache, positions, *, config: FusedKVConfig):
-    """Plain jnp reference math (neox), for ``jax.jit`` to fuse as it can."""
-    total_ctx, n_layers, _ = kv.shape
-    heads, dim, half = config.num_kv_heads, config.head_dim, config.rotary_dim // 2
-    shape = (total_ctx, n_layers, heads, dim)
-    k = kv[:, :, :config.kv_size].astype(jnp.float32).reshape(shape)
-    inv_rms = jax.lax.rsqrt(jnp.mean(k * k, axis=-1, keepdims=True) + eps[None, :, None, None])
-    normed = k * inv_rms * k_norm_weight.astype(jnp.float32)[None, :, None, :]
-    rows = cos_sin_cache[positions][:, None, None, :]
-    cos, sin = rows[..., :half], rows[..., half:]
-    first, second = normed[..., :half], normed[..., half:2 * half]
-    k_out = jnp.concatenate(
-        [first * cos - second * sin, second * cos + first * sin, normed[..., 2 * half:]], axis=-1)
-    v_out = kv[:, :, config.kv_size:].reshape(shape)
-    return k_out.astype(kv.dtype).transpose(1, 0, 2, 3), v_out.transpose(1, 0, 2, 3)
 
 
 def _gpu_kernel_events(trace_dir: str) -> list:
@@ -257,7 +233,7 @@ def measure_xla_pass(total_ctx: int, steps: int) -> Row:
 
 def measure_jnp(total_ctx: int, steps: int) -> Row:
     host, device_sets = _input_sets(total_ctx)
-    step = jax.jit(functools.partial(jnp_neox_baseline, config=DRAFT))
+    step = jax.jit(functools.partial(jnp_reference_math, config=DRAFT))
     k, v = step(*device_sets[0])
     result = _check(k, v, total_ctx)
     seconds, method = device_seconds(lambda i: step(*device_sets[i % len(device_sets)]), steps)

@@ -41,27 +41,18 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.measure import (
-    DRAFT,
-    DRAFT_STATIC,
-    MAX_POSITION,
-    N_LAYERS,
-    Row,
-    copy_bytes_per_second,
-    format_table,
-    graph_replay_seconds,
-    guarded,
-    host_seconds_per_call,
-    input_sets_needed,
-    verdict,
-)
+from benchmarks.measure import DRAFT, DRAFT_STATIC, N_LAYERS, Row, format_table, guarded
 from fusedkv_torch import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_torch.materializer import FusedKVMaterializer
+from interop.bench.check import verdict
+from interop.bench.shapes import DRAFT_SHAPE, MAX_POSITION
+from interop.bench.timers import copy_bytes_per_second, graph_replay_seconds, host_seconds_per_call
+from interop.bench.workload import input_sets_needed
 from interop.exchange import to_torch
 from interop.materializer_spec import random_case, stacked_op_arrays
 from interop.reference import fused_kv_norm_rope_reference
 
-HIDDEN = 4096
+HIDDEN = DRAFT_SHAPE.hidden
 NUM_SLOTS = 200_000
 SIZES = (16, 512, 8192)
 EAGER_SIZE = 16
@@ -162,9 +153,7 @@ def check_slots(case, kv, positions, cache_loc, k_pool, v_pool) -> str:
 
 def _bytes(total_ctx: int) -> tuple[int, int]:
     """(GEMM, rest) bytes that no design can avoid moving."""
-    kv = total_ctx * N_LAYERS * 2 * DRAFT.kv_size * 2
-    weights = N_LAYERS * 2 * DRAFT.kv_size * HIDDEN * 2
-    return weights + total_ctx * HIDDEN * 2 + kv, 2 * kv
+    return DRAFT_SHAPE.gemm_bytes(total_ctx, "bfloat16"), DRAFT_SHAPE.op_bytes(total_ctx, "bfloat16")
 
 
 def torch_rows(bench: Bench, total_ctx: int, *, quick: bool) -> list[Row]:

@@ -44,33 +44,27 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.measure import (
-    DRAFT,
-    MAX_POSITION,
-    N_LAYERS,
-    Row,
-    copy_bytes_per_second,
-    do_bench_seconds,
-    format_table,
-    graph_replay_seconds,
-    guarded,
-    host_seconds_per_call,
-    input_sets_needed,
-    verdict,
-)
+from benchmarks.measure import DRAFT, N_LAYERS, Row, format_table, guarded
 from fusedkv_torch import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_torch import kernel as kernel_module
 from fusedkv_torch.kernel import default_launch_shape, launch
 from interop.arrays import as_numpy
-from interop.exchange import to_torch
-from interop.inputs import random_inputs
-from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
+from interop.bench.baselines import torch_reference_math
+from interop.bench.check import checked_rows, op_verdict, verdict
+from interop.bench.shapes import BenchShape
+from interop.bench.timers import (
+    copy_bytes_per_second,
+    do_bench_seconds,
+    graph_replay_seconds,
+    host_seconds_per_call,
+)
+from interop.bench.workload import Workload, input_sets_needed
+from interop.reference import fused_kv_norm_rope_into_cache_reference
 from interop.spec import FusedKVConfig
 
 SIZES = (16, 256, 4096, 32768)
 GRAPH_SIZES = (16, 256)
 SWEEP_SIZES = (4096, 32768)
-CHECKED_ROWS = 64
 DEVICE = "cuda"
 
 
@@ -111,29 +105,12 @@ class InputSet:
 
 
 def input_sets(case: Case, count: int, seed: int = 0) -> list[InputSet]:
-    """Random device inputs, generated on the GPU (host generation of 32k tokens is slow)."""
-    shared = random_inputs(case.config, n_layers=case.n_layers, total_ctx=0, max_position=MAX_POSITION,
-                           seed=seed)
-    weight, eps, cos_sin = (to_torch(a).to(DEVICE) for a in shared.arrays()[1:4])
-    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    """Random device inputs (``fusedkv bench``'s, generated on the GPU), each with its outputs."""
+    workload = Workload(BenchShape("case", case.config, case.n_layers, "-"), case.total_ctx, case.dtype,
+                        framework="torch", seed=seed, set_count=count, torch_device=DEVICE)
     shape = case.config.output_shape(case.n_layers, case.total_ctx)
-    sets = []
-    for _ in range(count):
-        kv = 2 * torch.randn((case.total_ctx, case.n_layers, 2 * case.config.kv_size),
-                             generator=generator, device=DEVICE, dtype=torch.float32)
-        positions = torch.randint(0, MAX_POSITION, (case.total_ctx,), generator=generator,
-                                  device=DEVICE, dtype=torch.int32)
-        sets.append(InputSet(kv.to(case.torch_dtype), weight, eps, cos_sin, positions,
-                             torch.empty(shape, dtype=case.torch_dtype, device=DEVICE),
-                             torch.empty(shape, dtype=case.torch_dtype, device=DEVICE)))
-        del kv
-    return sets
-
-
-def checked_rows(total_ctx: int) -> np.ndarray:
-    rng = np.random.default_rng(total_ctx)
-    edges = np.r_[0:min(8, total_ctx), max(0, total_ctx - 8):total_ctx]
-    return np.unique(np.r_[edges, rng.integers(0, total_ctx, CHECKED_ROWS)])
+    return [InputSet(*workload.op_args(i, "torch"), torch.empty(shape, dtype=case.torch_dtype, device=DEVICE),
+                     torch.empty(shape, dtype=case.torch_dtype, device=DEVICE)) for i in range(count)]
 
 
 def sampled_host_args(inputs: InputSet, rows: np.ndarray) -> list[np.ndarray]:
@@ -143,25 +120,12 @@ def sampled_host_args(inputs: InputSet, rows: np.ndarray) -> list[np.ndarray]:
             as_numpy(inputs.cos_sin_cache), as_numpy(inputs.positions.index_select(0, index))]
 
 
-def check_against_reference(case: Case, inputs: InputSet, k: torch.Tensor, v: torch.Tensor) -> str:
-    """'ok', or what is wrong: unwritten (NaN) elements, or sampled rows off the reference."""
-    torch.cuda.synchronize()
-    unwritten = int(torch.isnan(k).sum()) + int(torch.isnan(v).sum())
-    if unwritten:
-        return f"FAIL: {unwritten} elements unwritten"
-    rows = checked_rows(case.total_ctx)
-    index = torch.as_tensor(rows, device=DEVICE)
-    expected_k, expected_v = fused_kv_norm_rope_reference(
-        *sampled_host_args(inputs, rows), **case.static())
-    return verdict(k.index_select(1, index), v.index_select(1, index), expected_k, expected_v)
-
-
 def poison_and_check(case: Case, sets: list[InputSet], call) -> str:
     for s in sets[:1]:
         s.k_out.fill_(float("nan"))
         s.v_out.fill_(float("nan"))
     k, v = call(0)
-    return check_against_reference(case, sets[0], k, v)
+    return op_verdict(k, v, *sets[0].args(), static=case.static())
 
 
 def time_call(call, count: int, method: str) -> float:
@@ -209,28 +173,6 @@ def measure_kernel(case: Case, method: str, *, name: str = "triton", tile: dict 
                count, result)
 
 
-def torch_reference_math(kv, k_norm_weight, eps, cos_sin_cache, positions, *, config: FusedKVConfig):
-    """The op in plain PyTorch ops (the baseline a model would write), outputs [layers, tokens, ...]."""
-    total_ctx, n_layers, _ = kv.shape
-    heads, dim, rotary_dim = config.num_kv_heads, config.head_dim, config.rotary_dim
-    half = rotary_dim // 2
-    k = kv[:, :, :config.kv_size].float().reshape(total_ctx, n_layers, heads, dim)
-    k = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps[None, :, None, None])
-    k = k * k_norm_weight.float()[None, :, None, :]
-    rows = cos_sin_cache[positions.long()]
-    cos, sin = rows[:, None, None, :half], rows[:, None, None, half:rotary_dim]
-    if config.rope_style == "neox":
-        first, second = k[..., :half], k[..., half:rotary_dim]
-        rotated = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
-    else:
-        first, second = k[..., 0:rotary_dim:2], k[..., 1:rotary_dim:2]
-        rotated = torch.stack([first * cos - second * sin, second * cos + first * sin], dim=-1).flatten(-2)
-    k = torch.cat([rotated, k[..., rotary_dim:]], dim=-1)
-    k_out = k.to(kv.dtype).transpose(0, 1).contiguous()
-    v_out = kv[:, :, config.kv_size:].reshape(total_ctx, n_layers, heads, dim).transpose(0, 1).contiguous()
-    return k_out, v_out
-
-
 _compiled_math = torch.compile(torch_reference_math)
 
 
@@ -242,7 +184,7 @@ def measure_math(case: Case, *, compiled: bool) -> Row:
     def call(i):
         return math_fn(*sets[i].args(), config=case.config)
 
-    result = check_against_reference(case, sets[0], *call(0))
+    result = op_verdict(*call(0), *sets[0].args(), static=case.static())
     seconds = time_call(call, count, "do_bench")
     name = "torch math (compile)" if compiled else "torch math (eager)"
     return Row(name, case.total_ctx, "-", seconds, 2 * case.kv_bytes(), "do_bench", count, result)

@@ -1,0 +1,120 @@
+"""The check every measured implementation passes before it is timed, on outputs of any framework.
+
+The inputs are random with every position inside the cos/sin table, so a correct
+output holds no NaN: outputs are poisoned with NaN before the checked call, and a NaN
+left anywhere is an element the implementation never wrote. Then a sample of token
+rows (the first and last eight and 64 drawn at random) is compared with the interop
+reference run on those rows alone (the op treats each token on its own), which keeps
+the check cheap at 65536 tokens: K within the tolerance table, V bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from interop.arrays import as_numpy
+from interop.exchange import framework_of
+from interop.reference import fused_kv_norm_rope_reference
+from interop.tolerance import END_TO_END_TOLERANCE, bit_mismatches, compare
+
+CHECKED_ROWS = 64
+
+
+def checked_rows(total_ctx: int) -> np.ndarray:
+    """The token rows a check compares: the first and last eight, and a seeded random sample."""
+    rng = np.random.default_rng(total_ctx)
+    edges = np.r_[0:min(8, total_ctx), max(0, total_ctx - 8):total_ctx]
+    return np.unique(np.r_[edges, rng.integers(0, total_ctx, CHECKED_ROWS)])
+
+
+def take_rows(array, rows: np.ndarray, axis: int) -> np.ndarray:
+    """``array``'s entries ``rows`` along ``axis``, gathered on its own device, as a host array."""
+    framework = framework_of(array)
+    if framework == "torch":
+        import torch
+
+        return as_numpy(array.index_select(axis, torch.as_tensor(rows, device=array.device)))
+    if framework == "jax":
+        import jax.numpy as jnp
+
+        return np.asarray(jnp.take(array, jnp.asarray(rows), axis=axis))
+    return np.take(as_numpy(array), rows, axis=axis)
+
+
+def count_nan(array) -> int:
+    """NaN elements of ``array``, counted on its own device."""
+    framework = framework_of(array)
+    if framework == "torch":
+        import torch
+
+        return int(torch.isnan(array).sum())
+    if framework == "jax":
+        import jax.numpy as jnp
+
+        return int(jnp.isnan(array).sum())
+    return int(np.isnan(as_numpy(array).astype(np.float32)).sum())
+
+
+def verdict(k, v, k_expected, v_expected, *, v_exact: bool = True) -> str:
+    """A row's check column: ``'ok'``, or ``'FAIL: '`` and the worst K element or V's count.
+
+    K is held to the tolerance table; V bit for bit, or (``v_exact`` False, for an fp8
+    cache the GPU quantizes with its own division) to the table too.
+    """
+    k_result = compare(k, k_expected)
+    v_bad = bit_mismatches(v, v_expected)[0] if v_exact else compare(v, v_expected, name="v").n_bad
+    if k_result.ok and not v_bad:
+        return "ok"
+    return "FAIL: " + (k_result.report() if not k_result.ok else f"v: {v_bad} elements differ")
+
+
+def op_verdict(k, v, kv, k_norm_weight, eps, cos_sin_cache, positions, *, static: dict) -> str:
+    """``'ok'``, or what is wrong with ``(k, v)``, the op's outputs for these inputs.
+
+    ``k, v``: [n_layers, total_ctx, num_kv_heads, head_dim] and the inputs, arrays of
+    any framework on any device; ``static``: the op's ``num_kv_heads``, ``head_dim``,
+    ``rotary_dim`` and ``rope_style``.
+    """
+    unwritten = count_nan(k) + count_nan(v)
+    if unwritten:
+        return f"FAIL: {unwritten} elements unwritten (NaN)"
+    rows = checked_rows(int(kv.shape[0]))
+    k_expected, v_expected = fused_kv_norm_rope_reference(
+        take_rows(kv, rows, 0), as_numpy(k_norm_weight), as_numpy(eps), as_numpy(cos_sin_cache),
+        take_rows(positions, rows, 0), **static)
+    return verdict(take_rows(k, rows, 1), take_rows(v, rows, 1), k_expected, v_expected)
+
+
+def projection_reference(layers, ctx_hidden: np.ndarray) -> np.ndarray:
+    """The stacked K/V projection in fp32 NumPy, rounded once to the weights' dtype:
+    ``kv[t, l] = ctx_hidden[t] @ kv_proj_weight[l]^T``, [total_ctx, n_layers, 2*kv_size]."""
+    dtype = as_numpy(layers[0].kv_proj_weight).dtype
+    hidden = ctx_hidden.astype(dtype).astype(np.float32)
+    kv = np.stack([hidden @ as_numpy(layer.kv_proj_weight).astype(np.float32).T for layer in layers], axis=1)
+    return kv.astype(dtype)
+
+
+def projection_verdict(kv, ctx_hidden, layers) -> str:
+    """``'ok'``, or what is wrong with ``kv``, a materializer's GEMM output for ``ctx_hidden``.
+
+    The GEMM rounds to the weights' dtype after accumulating in its own order, so it is
+    held to :data:`~interop.tolerance.END_TO_END_TOLERANCE`, whose reason covers that
+    rounding, rather than bit for bit.
+    """
+    unwritten = count_nan(kv)
+    if unwritten:
+        return f"FAIL: {unwritten} elements unwritten (NaN)"
+    rows = checked_rows(int(kv.shape[0]))
+    result = compare(take_rows(kv, rows, 0), projection_reference(layers, take_rows(ctx_hidden, rows, 0)),
+                     name="kv", tolerance=END_TO_END_TOLERANCE)
+    return "ok" if result.ok else "FAIL: " + result.report()
+
+
+def copy_verdict(destination, source, *, negated: bool = False) -> str:
+    """``'ok'`` when the sampled rows of ``destination`` hold ``source``'s bits (or its negation)."""
+    rows = checked_rows(int(source.shape[0]))
+    expected = take_rows(source, rows, 0)
+    if negated:
+        expected = -expected
+    mismatches = bit_mismatches(take_rows(destination, rows, 0), expected)[0]
+    return "ok" if not mismatches else f"FAIL: {mismatches} elements differ from the source"

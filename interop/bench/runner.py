@@ -1,0 +1,157 @@
+"""The run: every (shape, token count, implementation), checked, then timed, behind a progress bar.
+
+For each shape and token count one :class:`~interop.bench.workload.Workload` is drawn
+and every implementation measured on it in table order. An implementation is first
+called on poisoned outputs and checked (:mod:`interop.bench.check`); one that fails is
+recorded with its verdict and never timed, and one that raises is recorded with its
+error (the traceback goes to ``on_error``) while the run goes on.
+
+Timers by row: torch on the device, CUDA-graph replay (64 calls a graph up to 4096
+tokens, 16 beyond); JAX on the device, the in-jit method (64 calls a jit, chained
+through donated outputs, up to :data:`~interop.bench.shapes.DECODE_TOKENS` tokens; 8 a
+jit beyond); host rows, a loop of eager calls, only up to ``DECODE_TOKENS`` tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import itertools
+import traceback
+from typing import Callable
+
+from interop.bench.registry import Implementation, Steps
+from interop.bench.report import Measurement
+from interop.bench.shapes import DECODE_TOKENS, BenchShape
+from interop.bench.timers import chained_calls, graph_replay_seconds, host_seconds_per_call, in_jit_seconds
+from interop.bench.workload import Workload
+
+GRAPH_TOKENS = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Effort:
+    """How long each timer samples."""
+
+    graph_replays: int = 20
+    jax_repeats: int = 7
+    jax_batch_seconds: float = 0.02
+    host_calls: int = 500
+    host_repeats: int = 5
+
+
+FULL = Effort()
+QUICK = Effort(graph_replays=10, jax_repeats=5, jax_batch_seconds=0.01, host_calls=200, host_repeats=3)
+
+
+def plan(shapes: list[BenchShape], tokens: list[int],
+         implementations: list[Implementation]) -> list[tuple[BenchShape, int, Implementation]]:
+    """Every row to measure, in table order; host rows only at decode sizes."""
+    return [(shape, total_ctx, implementation) for shape in shapes for total_ctx in tokens
+            for implementation in implementations
+            if implementation.clock == "device" or total_ctx <= DECODE_TOKENS]
+
+
+def _wait_for(implementation: Implementation) -> Callable[[object], None]:
+    """What a host loop waits on at its end: jax's outputs, and all of torch's device work."""
+    frameworks = implementation.frameworks
+
+    def wait(outputs):
+        if frameworks[0] == "jax":
+            import jax
+
+            jax.block_until_ready(outputs)
+        if "torch" in frameworks:
+            import torch
+
+            torch.cuda.synchronize()
+    return wait
+
+
+def _timed(implementation: Implementation, workload: Workload, effort: Effort) -> dict:
+    """Check, then time: the fields of the measurement beyond its identity."""
+    prepared = implementation.prepare(workload)
+    if isinstance(prepared, Steps):
+        sets = len(prepared.varying)
+        calls = 64 if workload.total_ctx <= DECODE_TOKENS else 8
+        run = chained_calls(prepared.step, calls, sets)
+        outputs = run(prepared.fixed, prepared.varying, prepared.new_outputs())
+        found = dict(bytes_moved=prepared.bytes_moved, input_sets=sets, method=f"in-jit, {calls} calls/jit",
+                     check=prepared.check(outputs, (calls - 1) % sets))
+        if found["check"] != "ok":
+            return found
+        seconds, host_bound = in_jit_seconds(run, prepared.fixed, prepared.varying, outputs, calls_per_jit=calls,
+                                             batch_seconds=effort.jax_batch_seconds, repeats=effort.jax_repeats)
+        return dict(found, seconds=seconds, method=found["method"] + (", host-bound" if host_bound else ""))
+    found = dict(bytes_moved=prepared.bytes_moved, input_sets=prepared.sets, check=prepared.check())
+    if found["check"] != "ok":
+        return found
+    if implementation.clock == "host":
+        seconds = host_seconds_per_call(prepared.call, prepared.sets, calls=effort.host_calls,
+                                        repeats=effort.host_repeats, wait=_wait_for(implementation))
+        return dict(found, seconds=seconds, method=f"host loop, {effort.host_calls} calls")
+    calls = 64 if workload.total_ctx <= GRAPH_TOKENS else 16
+    seconds = graph_replay_seconds(prepared.call, prepared.sets, calls_per_graph=calls,
+                                   replays=effort.graph_replays)
+    return dict(found, seconds=seconds, method=f"graph replay, {calls} calls")
+
+
+def measure(implementation: Implementation, workload: Workload | None, effort: Effort, *,
+            shape: BenchShape, total_ctx: int, dtype: str,
+            on_error: Callable[[Measurement, str], None] | None = None) -> Measurement:
+    """One row; ``workload`` None when drawing it failed (the row records that error)."""
+    identity = dict(shape=shape.name, dtype=dtype, implementation=implementation.name,
+                    framework=implementation.framework, kind=implementation.kind, clock=implementation.clock,
+                    tokens=total_ctx, baseline=implementation.baseline, does_op=implementation.does_op)
+    try:
+        if workload is None:
+            raise RuntimeError("the inputs of this size could not be drawn (see the first error)")
+        found = dict(seconds=None, bytes_moved=0)
+        found.update(_timed(implementation, workload, effort))
+        return Measurement(**identity, **found)
+    except Exception as error:  # one failing row is reported and the run goes on
+        failed = Measurement(**identity, seconds=None, bytes_moved=0, error=f"{type(error).__name__}: {error}")
+        if on_error is not None:
+            on_error(failed, traceback.format_exc())
+        return failed
+
+
+def _release_device_memory() -> None:
+    gc.collect()
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run(tasks: list[tuple[BenchShape, int, Implementation]], *, dtype: str, framework: str, effort: Effort = FULL,
+        progress=None, on_error: Callable[[Measurement, str], None] | None = None,
+        on_size_done: Callable[[list[Measurement]], None] | None = None) -> list[Measurement]:
+    """Measure ``tasks`` (from :func:`plan`), inputs drawn in ``framework``.
+
+    ``progress``: a tqdm-like bar, advanced once per row; ``on_size_done(rows so far)``
+    after each shape and token count (to write partial results).
+    """
+    measurements: list[Measurement] = []
+    for (shape, total_ctx), group in itertools.groupby(tasks, key=lambda task: (task[0], task[1])):
+        workload = None
+        try:
+            workload = Workload(shape, total_ctx, dtype, framework=framework)
+        except Exception as error:  # every row of this size records it below
+            if on_error is not None:
+                on_error(Measurement(shape.name, dtype, "inputs", framework, "-", "-", total_ctx, None, 0,
+                                     error=f"{type(error).__name__}: {error}"), traceback.format_exc())
+        for _, _, implementation in group:
+            if progress is not None:
+                progress.set_postfix_str(f"{shape.name}, {total_ctx} tokens: {implementation.name}", refresh=False)
+            measurements.append(measure(implementation, workload, effort, shape=shape, total_ctx=total_ctx,
+                                        dtype=dtype, on_error=on_error))
+            if progress is not None:
+                progress.update(1)
+        del workload
+        _release_device_memory()
+        if on_size_done is not None:
+            on_size_done(measurements)
+    return measurements

@@ -1,0 +1,161 @@
+"""One timer per regime, shared by ``fusedkv bench`` and the scripts in ``benchmarks/``.
+
+What each measures:
+
+* :func:`graph_replay_seconds` (torch): many calls captured in one CUDA graph, rotating
+  over input sets, the graph replayed and timed with CUDA events; per call, the device
+  time including the gap between consecutive kernels but no host launch work.
+* :func:`in_jit_seconds` (JAX, the way a ``jax.jit`` user runs the op): many calls inside
+  one jit (:func:`chained_calls`), several such jits queued before one
+  ``block_until_ready``; per call, wall time over calls (of a long batch less a short
+  one). Host dispatch of one jit is hidden behind the device work of the jits ahead of
+  it, unless the device finishes first, which the timer reports.
+* :func:`host_seconds_per_call`: host wall time per call of a loop that waits only at
+  its end; what an eager caller pays when the host is the bottleneck.
+* :func:`do_bench_seconds`: ``triton.testing.do_bench``'s median, one eager call at a
+  time with the L2 flushed before each (device time plus any launch gap).
+* :func:`copy_bytes_per_second`: a 1 GiB device-to-device copy, bytes read plus written.
+
+Nothing here imports torch, triton or jax until a timer runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+COPY_BYTES = 2**30
+
+
+def do_bench_seconds(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") / 1e3
+
+
+def graph_replay_seconds(call: Callable[[int], object], input_sets: int, *, calls_per_graph: int = 64,
+                         replays: int = 20) -> float:
+    """Median per-call device time of ``call(i)`` (i cycles over input sets) replayed from a CUDA graph."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the capture, as capture requires
+        for i in range(min(input_sets, 3)):
+            call(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: CUDA work of another thread (XLA's, when jax shares the process) must
+    # not invalidate the capture.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for i in range(calls_per_graph):
+            call(i % input_sets)
+    graph.replay()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / 1e3 / calls_per_graph)
+    return statistics.median(per_call)
+
+
+def synchronize_torch(outputs=None) -> None:
+    """Wait for all of torch's device work (``outputs`` is ignored)."""
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def host_seconds_per_call(call: Callable[[int], object], input_sets: int, *, calls: int = 2000,
+                          repeats: int = 1, wait: Callable[[object], None] = synchronize_torch) -> float:
+    """Host wall time per call of a loop of ``call(i)``, waiting (``wait(last outputs)``)
+    only at its ends; the median over ``repeats`` loops."""
+    for i in range(min(input_sets, 3)):
+        outputs = call(i)
+    wait(outputs)
+    per_call = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for i in range(calls):
+            outputs = call(i % input_sets)
+        per_call.append((time.perf_counter() - start) / calls)
+        wait(outputs)
+    return statistics.median(per_call)
+
+
+def copy_bytes_per_second(nbytes: int = COPY_BYTES) -> float:
+    """Device-to-device copy bandwidth, bytes read plus written per second (do_bench median)."""
+    import torch
+
+    source = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    destination = torch.empty_like(source)
+    return 2 * nbytes / do_bench_seconds(lambda: destination.copy_(source))
+
+
+def chained_calls(step: Callable, calls: int, sets: int):
+    """One jit of ``calls`` calls of ``step``, call ``j`` on input set ``j % sets``, each
+    writing into the outputs of the call before it.
+
+    ``step(fixed, varying, outputs) -> outputs``; the jit is ``run(fixed, varying_sets,
+    outputs) -> outputs`` with ``outputs`` donated. Between calls an optimization barrier
+    hands the previous outputs and the next inputs on together, so every call is real:
+    XLA can neither drop a call whose outputs the next one ignores (a baseline that
+    allocates its own), nor merge two calls on the same input set, nor fuse across calls.
+    """
+    import jax
+
+    def run(fixed, varying_sets, outputs):
+        for call in range(calls):
+            varying = varying_sets[call % sets]
+            if call:
+                varying, outputs = jax.lax.optimization_barrier((varying, outputs))
+            outputs = step(fixed, varying, outputs)
+        return outputs
+
+    return jax.jit(run, donate_argnums=2)
+
+
+# PJRT blocks a dispatch while 32 computations are in flight on a GPU; below that, queueing
+# time measures the host alone.
+MAX_QUEUED_JITS = 24
+
+
+def in_jit_seconds(run, fixed, varying_sets, outputs, *, calls_per_jit: int, batch_seconds: float = 0.02,
+                   repeats: int = 7) -> tuple[float, bool]:
+    """Median per-call time of ``run`` (a :func:`chained_calls` jit, already compiled),
+    and whether the host was the bottleneck.
+
+    A batch queues jits (``outputs`` passed from one to the next) and waits once. Each
+    sample times a short and a long batch, the long one about ``batch_seconds``, and
+    divides the difference of their wall times by the difference of their calls: the
+    cost of starting and ending a batch (the first dispatch, the final wait) is in both
+    and cancels. When queueing takes nearly all of the long batch's wall time, the device
+    was waiting on the host and the figure is an upper bound (the second value is True).
+    """
+    import jax
+
+    def batch(jits, outputs):
+        start = time.perf_counter()
+        for _ in range(jits):
+            outputs = run(fixed, varying_sets, outputs)
+        queued = time.perf_counter() - start
+        jax.block_until_ready(outputs)
+        return time.perf_counter() - start, queued, outputs
+
+    _, _, outputs = batch(1, outputs)
+    wall, _, outputs = batch(2, outputs)
+    long = max(4, min(MAX_QUEUED_JITS, round(2 * batch_seconds / wall)))
+    short = long // 4
+    per_call, host_bound = [], 0
+    for _ in range(repeats):
+        short_wall, _, outputs = batch(short, outputs)
+        long_wall, queued, outputs = batch(long, outputs)
+        per_call.append((long_wall - short_wall) / ((long - short) * calls_per_jit))
+        host_bound += queued > 0.9 * long_wall
+    return statistics.median(per_call), 2 * host_bound > repeats

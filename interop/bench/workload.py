@@ -1,0 +1,143 @@
+"""Random device inputs for one shape and token count, rotated over enough sets to defeat the L2 cache.
+
+Inputs are generated on the GPU in one framework (torch when it sees the GPU, else
+jax) and handed to the other through DLPack without a copy, so every implementation
+reads the very same bytes: ``kv`` gaussian (twice a standard normal, as
+:func:`interop.inputs.random_inputs` draws it), positions uniform below
+:data:`~interop.bench.shapes.MAX_POSITION`, and the small per-layer arrays from
+``random_inputs`` itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+from interop.bench.shapes import MAX_POSITION, BenchShape
+from interop.exchange import to_framework
+from interop.inputs import random_inputs
+
+# The H200's L2 (DESIGN.md section 3), used only where torch cannot read the device's.
+FALLBACK_L2_BYTES = 60 * 2**20
+MAX_INPUT_SETS = 64
+
+
+def l2_bytes() -> int:
+    """The GPU's L2 cache size as torch reports it, else :data:`FALLBACK_L2_BYTES`."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size)
+    except (ImportError, AttributeError):
+        pass
+    return FALLBACK_L2_BYTES
+
+
+def input_sets_needed(bytes_per_set: int, cache_bytes: int | None = None) -> int:
+    """How many input sets to rotate so repeated calls do not just measure the L2 cache.
+
+    Enough that the sets together are about twice the cache, at most
+    :data:`MAX_INPUT_SETS`; one where a single set is that large already.
+    """
+    rotation_bytes = 2 * (l2_bytes() if cache_bytes is None else cache_bytes)
+    return max(1, min(MAX_INPUT_SETS, math.ceil(rotation_bytes / max(1, bytes_per_set))))
+
+
+class _TorchRandom:
+    def __init__(self, seed: int, device: str):
+        import torch
+
+        self._torch, self._device = torch, device
+        self._generator = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(self, shape, dtype: str, scale: float):
+        torch = self._torch
+        values = torch.randn(shape, generator=self._generator, device=self._device, dtype=torch.float32)
+        return (scale * values).to(getattr(torch, dtype))
+
+    def positions(self, count: int):
+        return self._torch.randint(0, MAX_POSITION, (count,), generator=self._generator, device=self._device,
+                                   dtype=self._torch.int32)
+
+    def put(self, host_array):
+        return to_framework(host_array, "torch").to(self._device)
+
+
+class _JaxRandom:
+    def __init__(self, seed: int):
+        import jax
+        import jax.numpy as jnp
+
+        self._jax, self._jnp = jax, jnp
+        self._key = jax.random.key(seed)
+
+    def _next_key(self):
+        self._key, key = self._jax.random.split(self._key)
+        return key
+
+    def normal(self, shape, dtype: str, scale: float):
+        values = self._jax.random.normal(self._next_key(), shape, self._jnp.float32)
+        return (scale * values).astype(self._jnp.dtype(dtype))
+
+    def positions(self, count: int):
+        return self._jax.random.randint(self._next_key(), (count,), 0, MAX_POSITION, self._jnp.int32)
+
+    def put(self, host_array):
+        return to_framework(host_array, "jax")
+
+
+class Workload:
+    """The inputs of one (shape, token count, dtype): ``set_count`` sets of ``kv`` and
+    positions, one set of per-layer arrays, and ``ctx_hidden`` sets for the materializers.
+
+    ``framework`` is where the arrays are made; :meth:`op_args` and the other getters
+    hand them to either framework (converted once, then kept). ``set_count`` defaults to
+    what rotating ``kv`` alone past the L2 takes, and at least two. ``torch_device`` is
+    where torch's arrays live (``"cpu"`` only to exercise the calls without a GPU).
+    """
+
+    def __init__(self, shape: BenchShape, total_ctx: int, dtype: str, *, framework: str, seed: int = 0,
+                 set_count: int | None = None, torch_device: str = "cuda"):
+        self.shape, self.total_ctx, self.dtype, self.framework = shape, total_ctx, dtype, framework
+        self.torch_device = torch_device
+        self.set_count = set_count or max(2, input_sets_needed(shape.kv_nbytes(total_ctx, dtype)))
+        self._random = _TorchRandom(seed, torch_device) if framework == "torch" else _JaxRandom(seed)
+        host = random_inputs(shape.config, n_layers=shape.n_layers, total_ctx=0, max_position=MAX_POSITION,
+                             seed=seed)
+        self._shared = tuple(self._random.put(a) for a in (host.k_norm_weight, host.eps, host.cos_sin_cache))
+        self._kv = [self._random.normal(shape.kv_shape(total_ctx), dtype, 2.0) for _ in range(self.set_count)]
+        self._positions = [self._random.positions(total_ctx) for _ in range(self.set_count)]
+        self._hidden: list = []
+        self._converted: dict = {}
+
+    def sets(self, bytes_per_set: int) -> int:
+        """How many of the sets an implementation moving ``bytes_per_set`` per call rotates over."""
+        return min(self.set_count, max(2, input_sets_needed(bytes_per_set)))
+
+    def _in(self, framework: str, key, array):
+        if framework == self.framework:
+            return array
+        converted = self._converted.get((framework, key))
+        if converted is None:
+            converted = self._converted[(framework, key)] = to_framework(array, framework)
+        return converted
+
+    def shared(self, framework: str) -> tuple:
+        """``(k_norm_weight, eps, cos_sin_cache)``."""
+        return tuple(self._in(framework, ("shared", i), a) for i, a in enumerate(self._shared))
+
+    def varying(self, index: int, framework: str) -> tuple:
+        """``(kv, positions)`` of set ``index``."""
+        return (self._in(framework, ("kv", index), self._kv[index]),
+                self._in(framework, ("positions", index), self._positions[index]))
+
+    def op_args(self, index: int, framework: str) -> tuple:
+        """The op's five arrays for set ``index``: ``kv, k_norm_weight, eps, cos_sin_cache, positions``."""
+        kv, positions = self.varying(index, framework)
+        return (kv, *self.shared(framework), positions)
+
+    def hidden(self, index: int, framework: str):
+        """``ctx_hidden: dtype[total_ctx, hidden]`` of set ``index``, drawn on first use."""
+        while len(self._hidden) <= index:
+            self._hidden.append(self._random.normal((self.total_ctx, self.shape.hidden), self.dtype, 1.0))
+        return self._in(framework, ("hidden", index), self._hidden[index])
