@@ -11,6 +11,7 @@ import sys
 
 import interop
 from interop import backends, dispatch
+from interop.bench import add_bench_arguments, run_bench_command
 from interop.dispatch import BACKENDS
 from interop.equivalence import (
     DEFAULT_TOKENS_CPU,
@@ -106,7 +107,11 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
         description="Print the installed versions, the devices each framework sees, and which "
                     "kernel each backend runs here: compiled or interpreted, and why.",
     )
-    return parser, {"check": check, "info": info}
+    bench = commands.add_parser(
+        "bench",
+        help="time every implementation on this GPU: table, CSV/JSON, plots")
+    add_bench_arguments(bench)
+    return parser, {"check": check, "info": info, "bench": bench}
 
 
 def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> CheckOptions:
@@ -221,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         command.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "info":
         return _info()
+    if args.command == "bench":
+        return run_bench_command(args)
     return _check(command, args)
 
 
