@@ -136,6 +136,8 @@ def _specs(tokens, layers, columns, slotted):
 
 @functools.lru_cache(maxsize=None)
 def _partitioned_launch(launch, present, static_items):
+    """The launcher, once per configuration, as ``custom_partitioning`` (the rule for Auto
+    axes) inside ``custom_vmap`` (so that ``jax.vmap`` still batches the kernel itself)."""
     static = dict(static_items)
 
     def per_shard(*arrays):  # positional only: custom_partitioning binds no keywords
