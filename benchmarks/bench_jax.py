@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import glob
+import re
 import statistics
 import sys
 import tempfile
@@ -54,8 +55,9 @@ SMALL_STEPS = 100
 CACHE_CHECK_LIMIT = 4096
 
 
-def _gpu_kernel_events(trace_dir: str) -> list:
-    """Kernel events (start_ns, duration_ns) on the GPU streams of the newest trace in ``trace_dir``."""
+def _gpu_kernel_events(trace_dir: str, device: int | None = None) -> list:
+    """Kernel events (start_ns, duration_ns) on the GPU streams of the newest trace in ``trace_dir``:
+    of every GPU, or of GPU ``device`` alone."""
     from jax.profiler import ProfileData
 
     files = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
@@ -63,7 +65,8 @@ def _gpu_kernel_events(trace_dir: str) -> list:
         return []
     events = []
     for plane in ProfileData.from_file(files[-1]).planes:
-        if not plane.name.startswith("/device:GPU"):
+        gpu = re.match(r"/device:GPU:(\d+)", plane.name)
+        if gpu is None or (device is not None and int(gpu[1]) != device):
             continue
         lines = list(plane.lines)
         streams = [line for line in lines if line.name.startswith("Stream")] or lines

@@ -46,6 +46,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from fusedkv_jax.partitioning import partitioned
 from interop.exchange import narrow_for_jax
 from interop.reference import FP8_E4M3_MAX, SMALLEST_NORMAL_FP32
 from interop.spec import FusedKVConfig, validate_cache_call, validate_call
@@ -226,6 +227,30 @@ def _tile(total_ctx, n_layers, num_kv_heads, head_dim, block_tokens, block_heads
 def _launch(kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dest, v_dest,
             k_scale, v_scale, *, config: FusedKVConfig, block_tokens, block_heads, num_warps,
             interpret):
+    """:func:`_pallas_launch`, run by each device on its tokens and layers under a sharded jit.
+
+    On one device, and inside ``jax.shard_map``, it is :func:`_pallas_launch` itself
+    (:mod:`fusedkv_jax.partitioning` says how, and why kv's columns are never split).
+    """
+    return partitioned(
+        _pallas_launch, (kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dest, v_dest,
+                         k_scale, v_scale),
+        config=config, block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps,
+        interpret=interpret)
+
+
+def _varying_axes(arrays) -> jax.sharding.ManualAxisType:
+    """The manual mesh axes the outputs vary over inside ``jax.shard_map``: those of any input.
+
+    Outside ``shard_map`` every input varies over none, and so do the outputs.
+    """
+    varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in arrays))
+    return jax.sharding.ManualAxisType(varying=varying)
+
+
+def _pallas_launch(kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dest, v_dest,
+                   k_scale, v_scale, *, config: FusedKVConfig, block_tokens, block_heads,
+                   num_warps, interpret):
     """The one ``pallas_call``: writes ``[n_layers, rows, heads, head_dim]`` K and V.
 
     ``slots`` None: row ``t`` is token ``t`` and ``rows == total_ctx``; else token ``t``
@@ -236,10 +261,15 @@ def _launch(kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dest, v_d
     total_ctx, n_layers, _ = kv.shape
     shape = config.output_shape(n_layers, total_ctx)
     destinations = (k_dest, v_dest)
-    out_shape = [jax.ShapeDtypeStruct(shape if d is None else d.shape, kv.dtype if d is None else d.dtype)
-                 for d in destinations]
     inputs = [kv, k_norm_weight, eps, cos_sin_cache, positions]
     inputs += [a for a in (slots, k_scale, v_scale) if a is not None]
+    # Inside jax.shard_map (check_vma, its default) each output must say which mesh axes
+    # it varies over; jax 0.10-0.11 spell that ShapeDtypeStruct(manual_axis_type=...).
+    varying = _varying_axes(inputs + [d for d in destinations if d is not None])
+    out_shape = [jax.ShapeDtypeStruct(shape if d is None else d.shape,
+                                      kv.dtype if d is None else d.dtype,
+                                      manual_axis_type=varying)
+                 for d in destinations]
     aliases = {}
     for output_index, destination in enumerate(destinations):
         if destination is not None:

@@ -5,6 +5,8 @@ rotary configuration. The fused path runs every layer through one stacked GEMM a
 launch of the op, so all of that must agree across layers: :func:`validate_layers`
 checks it once, at construction, naming the first layer that differs, and returns the
 static :class:`MaterializerConfig` that both frameworks' materializers build from.
+:func:`head_parallel_layers` cuts the layers into one rank's share of the KV heads, for
+tensor-parallel ranks (torch.distributed) and head-parallel devices (jax.shard_map).
 
 Also here, for tests and benchmarks: random layers, the materializer's NumPy reference
 (the GEMM in fp32, then the op's one reference) and the tolerance of that end-to-end
@@ -177,6 +179,48 @@ def validate_materialize(ctx_hidden, config: MaterializerConfig, max_position: i
             f"got {max_position}, expected at most {config.max_position}, the rows of cos_sin_cache."
         )
     return shape[0]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def head_parallel_layers(layers: Sequence[LayerKV], rank: int, world_size: int) -> tuple[LayerKV, ...]:
+    """Rank ``rank``'s share of every layer when ``world_size`` ranks split the KV heads.
+
+    With ``H = num_kv_heads`` and ``H/R`` heads per rank (``R = world_size``), rank ``r``
+    holds heads ``[r*H/R, (r+1)*H/R)``: of each ``kv_proj_weight``
+    ``[2*H*head_dim, hidden]`` the K rows of those heads, then their V rows, as
+    ``[2*(H/R)*head_dim, hidden]`` (the column-parallel slice of the projection, laid out
+    as a one-rank layer expects), with ``num_kv_heads = H/R``; ``k_norm_weight``, ``eps``
+    and ``rope`` are the layer's own (every head shares them). A materializer built from
+    the share yields ``[n_layers, total_ctx, H/R, head_dim]``: heads ``[r*H/R, (r+1)*H/R)``
+    of the one-rank result.
+
+    Arrays of any framework that indexes by a NumPy integer array (NumPy, torch, jax)
+    keep their framework and device; the rows are copied. The layers are validated as by
+    :func:`validate_layers` first.
+    """
+    layers = tuple(layers)
+    config = validate_layers(layers)
+    heads = config.op.num_kv_heads
+    if not _is_int(world_size) or world_size <= 0 or heads % world_size:
+        raise ValueError(
+            "Invalid world_size for head-parallel fused KV materialization: "
+            f"got {world_size!r}, expected a positive int dividing num_kv_heads={heads}."
+        )
+    if not _is_int(rank) or not 0 <= rank < world_size:
+        raise ValueError(
+            "Invalid rank for head-parallel fused KV materialization: "
+            f"got {rank!r}, expected an int in [0, {world_size})."
+        )
+    share = heads // world_size * config.op.head_dim
+    first = rank * share
+    rows = np.concatenate([np.arange(first, first + share),
+                           config.op.kv_size + np.arange(first, first + share)])
+    return tuple(dataclasses.replace(layer, kv_proj_weight=layer.kv_proj_weight[rows],
+                                     num_kv_heads=heads // world_size)
+                 for layer in layers)
 
 
 @dataclasses.dataclass(frozen=True)
