@@ -290,6 +290,9 @@ def fused_kv_norm_rope(
     ``v_out = v``. fp32 math, one rounding to ``kv``'s dtype; V bit-exact. A position
     outside ``[0, max_pos)`` gives an all-NaN K row and is never read.
 
+    All arrays are jax or NumPy arrays (other frameworks' arrays:
+    ``interop.fused_kv_norm_rope``).
+
     Args:
       kv: bf16/fp16/fp32[total_ctx, n_layers, 2*kv_size], per token and layer all K
         heads then all V heads; ``kv_size = num_kv_heads * head_dim``. jax arrays are
@@ -301,10 +304,12 @@ def fused_kv_norm_rope(
       positions: int32/int64[total_ctx]. With x64 off jax holds int64 as int32: a host
         (NumPy) int64 array is narrowed here with out-of-range values kept out of range;
         a jax array is already int32.
-      num_kv_heads, head_dim, rotary_dim, rope_style: static configuration.
+      num_kv_heads, head_dim, rotary_dim, rope_style: static configuration (ints, a str).
       k_out, v_out: optional dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim];
         aliased to the outputs, so under ``jax.jit`` with these buffers donated the
-        results are written in place (without donation XLA copies them first).
+        results are written in place (without donation XLA copies them first). One
+        array given as both is refused, as are NumPy outputs the other backends would
+        refuse (read-only, zero strides, memory shared with each other or ``kv``).
       block_tokens, block_heads, num_warps: tile overrides (powers of two) for tuning.
       interpret: run in Pallas interpret mode; None means "when ``kv`` is on the CPU".
 

@@ -563,6 +563,9 @@ def fused_kv_norm_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm + RoPE on K, V passed through, for all layers (formula in the module docstring).
 
+    All arrays are torch tensors (other frameworks' arrays: ``interop.fused_kv_norm_rope``);
+    ``num_kv_heads``, ``head_dim`` and ``rotary_dim`` are ints.
+
     Args:
       kv: bf16/fp16/fp32[total_ctx, n_layers, 2*kv_size], per token and layer all K heads
         then all V heads; any strides (a slice of a GEMM workspace is read in place).
@@ -572,7 +575,8 @@ def fused_kv_norm_rope(
       positions: int32/int64[total_ctx], any device (moved to kv's). A position outside
         [0, max_pos) gives an all-NaN K row, unless ``check_positions`` raises for it.
       k_out, v_out: optional dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim], any
-        strides (views into a bigger cache), written in place.
+        strides but zero (views into a bigger cache), written in place; sharing memory
+        with each other or with ``kv`` is refused.
       check_positions: raise ``ValueError`` for out-of-range positions; this syncs with
         the device, so it is off by default and cannot be used under CUDA graph capture.
 
@@ -611,7 +615,8 @@ def fused_kv_norm_rope_into_cache(
     Args (beyond :func:`fused_kv_norm_rope`'s):
       cache_loc: int32/int64[total_ctx], any device (moved to kv's).
       k_cache, v_cache: dtype-of-kv or float8_e4m3fn[n_layers, num_slots, num_kv_heads,
-        head_dim], any strides, written in place.
+        head_dim], any strides but zero, written in place; sharing memory with each other
+        or with ``kv`` is refused.
       k_scale, v_scale: fp32[n_layers], only for a float8_e4m3fn cache, which then holds
         ``value / scale`` saturated to +-448, rounded once from fp32.
 
