@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import types
-import typing
 
 import numpy as np
 
@@ -329,9 +328,9 @@ def check_output_buffers(kv, outputs) -> None:
 
     Reads addresses, strides and sizes, no device work. It runs on every call, so the
     common case is a few attribute reads per array: buffers whose allocations (a torch
-    tensor's storage) or spans do not meet are apart. Only where they meet are the
-    elements' spans compared, and, where those interleave, whether they share an
-    element is solved (``np.shares_memory``) once per relative layout and remembered.
+    tensor's storage) or spans do not meet are apart. Where they meet, whether the
+    elements do is decided once per relative layout (their spans, then
+    ``np.shares_memory``) and remembered.
     """
     seen = None
     for name, out in outputs:
@@ -347,11 +346,11 @@ def check_output_buffers(kv, outputs) -> None:
             )
         # A contiguous torch tensor has no zero stride on a dimension of size > 1.
         if framework != "torch" or not out.is_contiguous():
-            buffer = _buffer(out)
-            if buffer is not None and 0 in buffer.strides and any(
-                    step == 0 and size > 1 for size, step in zip(buffer.shape, buffer.strides)):
+            layout = _layout(out)
+            if layout is not None and 0 in layout[2] and any(
+                    step == 0 and size > 1 for size, step in zip(layout[1], layout[2])):
                 raise ValueError(
-                    f"Invalid {name} for fused KV materialization: got strides {tuple(buffer.strides)} "
+                    f"Invalid {name} for fused KV materialization: got strides {tuple(layout[2])} "
                     "with a zero stride, expected no zero strides."
                 )
         extent = _extent(out, framework)
@@ -380,46 +379,25 @@ def _extent(array, framework: str | None) -> tuple[int, int] | None:
         storage = array.untyped_storage()
         low = storage.data_ptr()
         return low, low + storage.nbytes()
-    buffer = _buffer(array)
-    return None if buffer is None else buffer.span()
+    layout = _layout(array)
+    return None if layout is None else _span(layout)
 
 
 def _meet(a: tuple[int, int] | None, b: tuple[int, int] | None) -> bool:
     return a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
 
 
-class _Buffer(typing.NamedTuple):
-    """Where an array's elements lie: ``strides`` as its framework counts them, in units
-    of ``unit`` bytes (torch: elements; NumPy and the CUDA array interface: bytes)."""
-
-    address: int
-    shape: tuple
-    strides: tuple
-    unit: int
-    itemsize: int
-
-    def span(self) -> tuple[int, int]:
-        """The bytes ``[low, high)`` from the first element to past the last (empty if none)."""
-        if 0 in self.shape:
-            return self.address, self.address
-        low = high = 0
-        for size, step in zip(self.shape, self.strides):
-            if step < 0:
-                low += step * (size - 1)
-            else:
-                high += step * (size - 1)
-        return self.address + low * self.unit, self.address + high * self.unit + self.itemsize
-
-
-def _buffer(array) -> _Buffer | None:
-    """The layout of an array that can be written in place; None for jax arrays
+def _layout(array) -> tuple | None:
+    """``(address, shape, strides, unit, itemsize)`` of an array that can be written in
+    place: strides as its framework counts them, in units of ``unit`` bytes (torch:
+    elements; NumPy and the CUDA array interface: bytes). None for jax arrays
     (immutable) and tracers (no memory yet)."""
     framework = framework_of(array)
     if framework == "torch":
         itemsize = array.element_size()
-        return _Buffer(array.data_ptr(), tuple(array.shape), array.stride(), itemsize, itemsize)
+        return array.data_ptr(), array.shape, array.stride(), itemsize, itemsize
     if framework == "numpy":
-        return _Buffer(array.__array_interface__["data"][0], array.shape, array.strides, 1, array.itemsize)
+        return array.__array_interface__["data"][0], array.shape, array.strides, 1, array.itemsize
     if framework in (None, "jax"):
         return None
     interface = getattr(array, "__cuda_array_interface__", None)  # CuPy and other GPU producers
@@ -432,11 +410,25 @@ def _buffer(array) -> _Buffer | None:
         for size in reversed(shape):
             strides.insert(0, step)
             step *= size
-    return _Buffer(interface["data"][0], shape, tuple(strides), 1, itemsize)
+    return interface["data"][0], shape, tuple(strides), 1, itemsize
+
+
+def _span(layout) -> tuple[int, int]:
+    """The bytes ``[low, high)`` from the first element to past the last (empty if none)."""
+    address, shape, strides, unit, itemsize = layout
+    if 0 in shape:
+        return address, address
+    low = high = 0
+    for size, step in zip(shape, strides):
+        if step < 0:
+            low += step * (size - 1)
+        else:
+            high += step * (size - 1)
+    return address + low * unit, address + high * unit + itemsize
 
 
 # Whether two layouts at a given distance share an element, by (distance, layouts): the
-# answer does not depend on where they lie, and solving it costs microseconds.
+# answer does not depend on where they lie, and deciding it costs microseconds.
 _SHARED_BY_RELATIVE_LAYOUT: dict[tuple, bool | None] = {}
 _MAX_REMEMBERED_LAYOUTS = 4096
 _OVERLAP_WORK_LIMIT = 1 << 16  # np.shares_memory's bound; past it, overlap is not ruled out
@@ -446,27 +438,33 @@ def _share_memory(a_array, b_array) -> bool | None:
     """Whether two arrays share a byte: False when they cannot (their elements' spans do
     not meet, or one is never written in place), True when they do, None when deciding
     it exceeds the work limit."""
-    a, b = _buffer(a_array), _buffer(b_array)
-    if a is None or b is None or not _meet(a.span(), b.span()):
+    a, b = _layout(a_array), _layout(b_array)
+    if a is None or b is None:
         return False
-    key = (b.address - a.address, a[1:], b[1:])
-    if key not in _SHARED_BY_RELATIVE_LAYOUT:
+    key = (b[0] - a[0], a[1:], b[1:])
+    try:
+        return _SHARED_BY_RELATIVE_LAYOUT[key]
+    except KeyError:
+        pass
+    shared = False
+    if _meet(_span(a), _span(b)):
         try:
             shared = bool(np.shares_memory(_described(a), _described(b), max_work=_OVERLAP_WORK_LIMIT))
         except np.exceptions.TooHardError:
             shared = None
-        if len(_SHARED_BY_RELATIVE_LAYOUT) >= _MAX_REMEMBERED_LAYOUTS:
-            _SHARED_BY_RELATIVE_LAYOUT.clear()
-        _SHARED_BY_RELATIVE_LAYOUT[key] = shared
-    return _SHARED_BY_RELATIVE_LAYOUT[key]
+    if len(_SHARED_BY_RELATIVE_LAYOUT) >= _MAX_REMEMBERED_LAYOUTS:
+        _SHARED_BY_RELATIVE_LAYOUT.clear()
+    _SHARED_BY_RELATIVE_LAYOUT[key] = shared
+    return shared
 
 
-def _described(buffer: _Buffer) -> np.ndarray:
-    """A read-only NumPy array of opaque elements at ``buffer``'s addresses, for
+def _described(layout) -> np.ndarray:
+    """A read-only NumPy array of opaque elements at ``layout``'s addresses, for
     ``np.shares_memory``, which reads the layout only, never the memory (which may be
     a GPU's)."""
-    interface = dict(version=3, shape=tuple(buffer.shape), typestr=f"|V{buffer.itemsize}",
-                     data=(buffer.address, True), strides=tuple(step * buffer.unit for step in buffer.strides))
+    address, shape, strides, unit, itemsize = layout
+    interface = dict(version=3, shape=tuple(shape), typestr=f"|V{itemsize}", data=(address, True),
+                     strides=tuple(step * unit for step in strides))
     return np.asarray(types.SimpleNamespace(__array_interface__=interface))
 
 
