@@ -49,7 +49,14 @@ from jax.experimental.pallas import triton as plgpu
 from fusedkv_jax.partitioning import partitioned
 from interop.exchange import narrow_for_jax
 from interop.reference import FP8_E4M3_MAX, SMALLEST_NORMAL_FP32
-from interop.spec import FusedKVConfig, validate_cache_call, validate_call
+from interop.spec import (
+    FusedKVConfig,
+    check_arrays,
+    check_output_buffers,
+    tile_argument,
+    validate_cache_call,
+    validate_call,
+)
 
 # A tile of about this many K elements per program, and this many per thread, keep the
 # K tile, its RoPE partner, V, cos and sin in registers: 64-80 per thread, no spills, by
@@ -193,11 +200,10 @@ def _tile(total_ctx, n_layers, num_kv_heads, head_dim, block_tokens, block_heads
           interpret=False):
     """``(block_tokens, block_heads, num_warps)``: the overrides given, the rest chosen
     (``interpret``: few, large programs)."""
-    for name, value in (("block_tokens", block_tokens), ("block_heads", block_heads),
-                        ("num_warps", num_warps)):
-        if value is not None and (value < 1 or value & (value - 1)):
-            raise ValueError(f"Invalid {name} for fused KV materialization: got {value}, "
-                             "expected a power of two.")
+    block_tokens, block_heads, num_warps = (
+        None if value is None else tile_argument(name, value)
+        for name, value in (("block_tokens", block_tokens), ("block_heads", block_heads),
+                            ("num_warps", num_warps)))
     block_dim = pl.next_power_of_2(head_dim)
     if block_heads is None:
         block_heads = pl.next_power_of_2(num_kv_heads)
@@ -337,6 +343,9 @@ def fused_kv_norm_rope(
     ``v_out = v``. fp32 math, one rounding to ``kv``'s dtype; V bit-exact. A position
     outside ``[0, max_pos)`` gives an all-NaN K row and is never read.
 
+    All arrays are jax or NumPy arrays (other frameworks' arrays:
+    ``interop.fused_kv_norm_rope``).
+
     Args:
       kv: bf16/fp16/fp32[total_ctx, n_layers, 2*kv_size], per token and layer all K
         heads then all V heads; ``kv_size = num_kv_heads * head_dim``. jax arrays are
@@ -348,10 +357,12 @@ def fused_kv_norm_rope(
       positions: int32/int64[total_ctx]. With x64 off jax holds int64 as int32: a host
         (NumPy) int64 array is narrowed here with out-of-range values kept out of range;
         a jax array is already int32.
-      num_kv_heads, head_dim, rotary_dim, rope_style: static configuration.
+      num_kv_heads, head_dim, rotary_dim, rope_style: static configuration (ints, a str).
       k_out, v_out: optional dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim];
         aliased to the outputs, so under ``jax.jit`` with these buffers donated the
-        results are written in place (without donation XLA copies them first).
+        results are written in place (without donation XLA copies them first). One
+        array given as both is refused, as are NumPy outputs the other backends would
+        refuse (read-only, zero strides, memory shared with each other or ``kv``).
       block_tokens, block_heads, num_warps: tile overrides (powers of two) for tuning.
       interpret: run in Pallas interpret mode; None means "when ``kv`` is on the CPU".
 
@@ -360,14 +371,19 @@ def fused_kv_norm_rope(
 
     Usable inside ``jax.jit`` (the configuration is static) and under ``jax.vmap``.
     """
+    outputs, given_kv = (("k_out", k_out), ("v_out", v_out)), kv
+    check_arrays((("kv", kv), ("k_norm_weight", k_norm_weight), ("eps", eps),
+                  ("cos_sin_cache", cos_sin_cache), ("positions", positions), *outputs), "jax")
     kv, k_out, v_out = (_on_default_device(a) for a in (kv, k_out, v_out))
     call = validate_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-        rope_style=rope_style, k_out=k_out, v_out=v_out,
+        rope_style=rope_style, k_out=k_out, v_out=v_out, check_buffers=False,
     )
+    # On the caller's own arrays: a NumPy array's memory is not seen once moved to jax.
+    check_output_buffers(given_kv, outputs)
     interpret = _on_cpu(kv) if interpret is None else interpret
-    tile = _tile(call.total_ctx, call.n_layers, num_kv_heads, head_dim,
+    tile = _tile(call.total_ctx, call.n_layers, call.config.num_kv_heads, call.config.head_dim,
                  block_tokens, block_heads, num_warps, interpret)
     if call.total_ctx == 0:
         empty = jnp.empty(call.output_shape, kv.dtype)
@@ -420,14 +436,19 @@ def fused_kv_norm_rope_into_cache(
     Returns:
       ``(k_cache, v_cache)`` updated.
     """
+    caches, given_kv = (("k_cache", k_cache), ("v_cache", v_cache)), kv
+    check_arrays((("kv", kv), ("k_norm_weight", k_norm_weight), ("eps", eps),
+                  ("cos_sin_cache", cos_sin_cache), ("positions", positions), ("cache_loc", cache_loc),
+                  *caches, ("k_scale", k_scale), ("v_scale", v_scale)), "jax")
     kv, k_cache, v_cache = (_on_default_device(a) for a in (kv, k_cache, v_cache))
     call = validate_cache_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-        rope_style=rope_style, k_scale=k_scale, v_scale=v_scale,
+        rope_style=rope_style, k_scale=k_scale, v_scale=v_scale, check_buffers=False,
     )
+    check_output_buffers(given_kv, caches)
     interpret = _on_cpu(kv) if interpret is None else interpret
-    tile = _tile(call.total_ctx, call.n_layers, num_kv_heads, head_dim,
+    tile = _tile(call.total_ctx, call.n_layers, call.config.num_kv_heads, call.config.head_dim,
                  block_tokens, block_heads, num_warps, interpret)
     if call.total_ctx == 0:
         return k_cache, v_cache

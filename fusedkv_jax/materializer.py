@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from fusedkv_jax.kernel import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from interop.exchange import narrow_for_jax
 from interop.materializer_spec import LayerKV, validate_layers, validate_materialize
+from interop.spec import check_output_buffers
 
 
 @jax.tree_util.register_pytree_node_class
@@ -70,7 +71,7 @@ class FusedKVMaterializer:
 
         ``ctx_hidden: float[total_ctx, hidden]``, cast once to the weights' dtype.
         """
-        validate_materialize(ctx_hidden, self.config, None)
+        validate_materialize(ctx_hidden, self.config, None, accepted="jax")
         return _project(self, ctx_hidden)
 
     def materialize(
@@ -92,7 +93,8 @@ class FusedKVMaterializer:
         Returns:
           ``(k, v)``, each dtype[n_layers, total_ctx, num_kv_heads, head_dim].
         """
-        validate_materialize(ctx_hidden, self.config, max_position)
+        validate_materialize(ctx_hidden, self.config, max_position, accepted="jax",
+                             arrays=(("positions", positions),))
         return _materialize(self, ctx_hidden, narrow_for_jax(positions))
 
     def materialize_layers(
@@ -149,7 +151,12 @@ class FusedKVMaterializer:
                     "caches, expected one [n_layers, num_slots, num_kv_heads, head_dim] array "
                     "(stacking per-layer arrays would copy the whole pool on every call)."
                 )
-        validate_materialize(ctx_hidden, self.config, max_position)
+        caches = (("k_cache", k_cache), ("v_cache", v_cache))
+        validate_materialize(ctx_hidden, self.config, max_position, accepted="jax",
+                             arrays=(("positions", positions), ("cache_loc", cache_loc), *caches,
+                                     ("k_scale", k_scale), ("v_scale", v_scale)))
+        # Before jit, where one array passed twice becomes two tracers (and two donations).
+        check_output_buffers(None, caches)
         return _materialize_into_cache(
             self, ctx_hidden, narrow_for_jax(positions),
             narrow_for_jax(cache_loc), k_cache, v_cache, k_scale, v_scale)

@@ -34,7 +34,16 @@ import triton.language as tl
 
 from fusedkv_torch.launcher import DirectLauncher
 from interop.reference import FP8_E4M3_MAX, SMALLEST_NORMAL_FP32
-from interop.spec import CallShape, FusedKVConfig, validate_cache_call, validate_call
+from interop.spec import (
+    CallShape,
+    FusedKVConfig,
+    check_arrays,
+    check_output_buffers,
+    size_argument,
+    tile_argument,
+    validate_cache_call,
+    validate_call,
+)
 
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 _SMALLEST_NORMAL = tl.constexpr(SMALLEST_NORMAL_FP32)
@@ -340,14 +349,19 @@ def launch(
     num_warps: Optional[int] = None,
     dependent_launch: Optional[bool] = None,
 ) -> None:
-    """Launch the kernel on validated arguments already on ``kv``'s device; no checks, no sync.
+    """Launch the kernel on validated arguments already on ``kv``'s device; no sync.
 
     ``k_dst``/``v_dst`` are ``[n_layers, rows, num_kv_heads, head_dim]``: the outputs
     (row t for token t) or, with ``cache_loc``, the caches (row ``cache_loc[t]``).
     ``block_tokens``, ``heads_per_program`` (a power of two dividing the heads) and
-    ``num_warps`` override :func:`default_launch_shape` (benchmark sweeps).
-    ``dependent_launch`` overrides :func:`supports_dependent_launch`.
+    ``num_warps`` (powers of two) override :func:`default_launch_shape` (benchmark
+    sweeps); they are the only arguments checked here. ``dependent_launch`` overrides
+    :func:`supports_dependent_launch`.
     """
+    # Before the plan's cache, which would take 2.0 for 2.
+    block_tokens = None if block_tokens is None else tile_argument("block_tokens", block_tokens)
+    heads_per_program = None if heads_per_program is None else size_argument("heads_per_program", heads_per_program)
+    num_warps = None if num_warps is None else tile_argument("num_warps", num_warps)
     total_ctx, n_layers, _ = kv.shape
     if dependent_launch is None:
         dependent_launch = supports_dependent_launch(kv.device)
@@ -364,6 +378,8 @@ def _write_fused_kv_norm_rope(
     positions: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
     num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str,
 ) -> None:
+    # Traced calls are validated while tracing, when addresses are not known yet: here they are.
+    check_output_buffers(kv, (("k_out", k_out), ("v_out", v_out)))
     launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
            config=FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style))
 
@@ -382,6 +398,7 @@ def _write_fused_kv_norm_rope_into_cache(
     num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str,
     k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
 ) -> None:
+    check_output_buffers(kv, (("k_cache", k_cache), ("v_cache", v_cache)))
     launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_cache, v_cache,
            config=FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style),
            cache_loc=cache_loc, k_scale=k_scale, v_scale=v_scale)
@@ -394,25 +411,46 @@ def _write_fused_kv_norm_rope_into_cache_fake(kv, k_norm_weight, eps, cos_sin_ca
     return None
 
 
-# Validation reads only shapes, dtypes and devices (interop.spec), and its Python costs more
-# host time than the launch: an eager call whose metadata passed before is not checked again,
-# and its launch plan and compiled kernels are kept with it (the metadata names every
-# tensor's dtype and device, as DirectLauncher's ``compiled`` needs). Rejected metadata is
-# never remembered, so a bad call raises every time. Traced calls (torch.compile) validate
-# every time and go through the registered op, so the graph records the mutation; eager
-# calls skip the op, whose dispatcher costs more host time than the launch.
+# Validation of shapes, dtypes and devices (interop.spec) costs more host time than the
+# launch: an eager call whose metadata passed before is not checked again, and its launch
+# plan and compiled kernels are kept with it (the metadata names every tensor's dtype and
+# device, as DirectLauncher's ``compiled`` needs, and the sizes' types, since 2.0 == 2).
+# What metadata cannot tell is checked on every call: that each argument is a tensor
+# (before the metadata is read), and that the outputs overlap neither each other nor kv
+# (addresses). Rejected metadata is never remembered, so a bad call raises every time.
+# Traced calls (torch.compile) validate every time and go through the registered op, so
+# the graph records the mutation, and the op checks the outputs' memory when it runs;
+# eager calls skip the op, whose dispatcher costs more host time than the launch.
 _PREPARED_CALLS: dict[tuple, tuple[CallShape, tuple, dict]] = {}
 _MAX_PREPARED_CALLS = 4096
 
 
+def _check_runnable(device: torch.device) -> None:
+    """Refuse a call the launcher could only end in an assertion: tensors off the GPU
+    while Triton compiles for one (its interpreter, which runs on the CPU, is chosen
+    by ``TRITON_INTERPRET=1`` when the kernel is defined, at import)."""
+    if device.type != "cuda" and not _launcher.interpreted:
+        raise ValueError(
+            f"Invalid kv device for fused KV materialization: got device={device}, expected a CUDA "
+            "device (to run the Triton kernel on the CPU, set TRITON_INTERPRET=1 before "
+            "fusedkv_torch is imported)."
+        )
+
+
 def _prepared(metadata: tuple, validate, device: torch.device, to_slots: bool, quantize_k: bool,
-              quantize_v: bool) -> tuple[CallShape, tuple, dict]:
+              quantize_v: bool, tracing: bool) -> tuple[CallShape, tuple, dict]:
     """``(validate(), launch plan, compiled kernels)``, the first two computed once per ``metadata``."""
-    if torch.compiler.is_compiling():
-        return validate(), None, None
-    prepared = _PREPARED_CALLS.get(metadata)
+    if tracing:
+        call = validate()
+        _check_runnable(device)
+        return call, None, None
+    try:
+        prepared = _PREPARED_CALLS.get(metadata)
+    except TypeError:  # an unhashable argument, which validation refuses below
+        prepared = None
     if prepared is None:
         call = validate()
+        _check_runnable(device)
         plan = _plan(call.config, call.total_ctx, call.n_layers, to_slots, quantize_k, quantize_v,
                      None, None, None, supports_dependent_launch(device))
         if len(_PREPARED_CALLS) >= _MAX_PREPARED_CALLS:
@@ -424,24 +462,40 @@ def _prepared(metadata: tuple, validate, device: torch.device, to_slots: bool, q
 def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
                  rope_style, k_out, v_out) -> tuple[CallShape, tuple, dict]:
     """A :func:`fused_kv_norm_rope` call validated: ``(call, plan, compiled)``, plan None when traced."""
-    return _prepared((
-        num_kv_heads, head_dim, rotary_dim, rope_style, kv.shape, kv.dtype, kv.device,
+    outputs = (("k_out", k_out), ("v_out", v_out))
+    tracing = torch.compiler.is_compiling()
+    if not tracing:
+        check_arrays((("kv", kv), ("k_norm_weight", k_norm_weight), ("eps", eps),
+                      ("cos_sin_cache", cos_sin_cache), ("positions", positions), *outputs), "torch")
+    prepared = _prepared((
+        num_kv_heads, head_dim, rotary_dim, type(num_kv_heads), type(head_dim), type(rotary_dim), rope_style,
+        kv.shape, kv.dtype, kv.device,
         k_norm_weight.shape, k_norm_weight.dtype, k_norm_weight.device, eps.shape, eps.dtype, eps.device,
         cos_sin_cache.shape, cos_sin_cache.dtype, cos_sin_cache.device, positions.shape, positions.dtype,
         None if k_out is None else (k_out.shape, k_out.dtype, k_out.device),
         None if v_out is None else (v_out.shape, v_out.dtype, v_out.device),
     ), lambda: validate_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        rotary_dim=rotary_dim, rope_style=rope_style, k_out=k_out, v_out=v_out,
-    ), kv.device, False, False, False)
+        rotary_dim=rotary_dim, rope_style=rope_style, k_out=k_out, v_out=v_out, check_buffers=False,
+    ), kv.device, False, False, False, tracing)
+    if not tracing:
+        check_output_buffers(kv, outputs)
+    return prepared
 
 
 def prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
                        num_kv_heads, head_dim, rotary_dim, rope_style, k_scale,
                        v_scale) -> tuple[CallShape, tuple, dict]:
     """A :func:`fused_kv_norm_rope_into_cache` call validated, as :func:`prepare_call`."""
-    return _prepared((
-        "cache", num_kv_heads, head_dim, rotary_dim, rope_style, kv.shape, kv.dtype, kv.device,
+    caches = (("k_cache", k_cache), ("v_cache", v_cache))
+    tracing = torch.compiler.is_compiling()
+    if not tracing:
+        check_arrays((("kv", kv), ("k_norm_weight", k_norm_weight), ("eps", eps),
+                      ("cos_sin_cache", cos_sin_cache), ("positions", positions), ("cache_loc", cache_loc),
+                      *caches, ("k_scale", k_scale), ("v_scale", v_scale)), "torch")
+    prepared = _prepared((
+        "cache", num_kv_heads, head_dim, rotary_dim, type(num_kv_heads), type(head_dim), type(rotary_dim),
+        rope_style, kv.shape, kv.dtype, kv.device,
         k_norm_weight.shape, k_norm_weight.dtype, k_norm_weight.device, eps.shape, eps.dtype, eps.device,
         cos_sin_cache.shape, cos_sin_cache.dtype, cos_sin_cache.device, positions.shape, positions.dtype,
         cache_loc.shape, cache_loc.dtype,
@@ -451,8 +505,11 @@ def prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_l
     ), lambda: validate_cache_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
-        k_scale=k_scale, v_scale=v_scale,
-    ), kv.device, True, k_scale is not None, v_scale is not None)
+        k_scale=k_scale, v_scale=v_scale, check_buffers=False,
+    ), kv.device, True, k_scale is not None, v_scale is not None, tracing)
+    if not tracing:
+        check_output_buffers(kv, caches)
+    return prepared
 
 
 def _check_positions_in_range(positions: torch.Tensor, max_position: int) -> None:
@@ -534,6 +591,9 @@ def fused_kv_norm_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm + RoPE on K, V passed through, for all layers (formula in the module docstring).
 
+    All arrays are torch tensors (other frameworks' arrays: ``interop.fused_kv_norm_rope``);
+    ``num_kv_heads``, ``head_dim`` and ``rotary_dim`` are ints.
+
     Args:
       kv: bf16/fp16/fp32[total_ctx, n_layers, 2*kv_size], per token and layer all K heads
         then all V heads; any strides (a slice of a GEMM workspace is read in place).
@@ -543,7 +603,8 @@ def fused_kv_norm_rope(
       positions: int32/int64[total_ctx], any device (moved to kv's). A position outside
         [0, max_pos) gives an all-NaN K row, unless ``check_positions`` raises for it.
       k_out, v_out: optional dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim], any
-        strides (views into a bigger cache), written in place.
+        strides but zero (views into a bigger cache), written in place; sharing memory
+        with each other or with ``kv`` is refused.
       check_positions: raise ``ValueError`` for out-of-range positions; this syncs with
         the device, so it is off by default and cannot be used under CUDA graph capture.
 
@@ -582,7 +643,8 @@ def fused_kv_norm_rope_into_cache(
     Args (beyond :func:`fused_kv_norm_rope`'s):
       cache_loc: int32/int64[total_ctx], any device (moved to kv's).
       k_cache, v_cache: dtype-of-kv or float8_e4m3fn[n_layers, num_slots, num_kv_heads,
-        head_dim], any strides, written in place.
+        head_dim], any strides but zero, written in place; sharing memory with each other
+        or with ``kv`` is refused.
       k_scale, v_scale: fp32[n_layers], only for a float8_e4m3fn cache, which then holds
         ``value / scale`` saturated to +-448, rounded once from fp32.
 

@@ -22,6 +22,7 @@ import torch
 # The op in its two steps, so that a bad call is rejected before the GEMM launches.
 from fusedkv_torch.kernel import prepare_cache_call, prepare_call, write_prepared_cache_call, write_prepared_call
 from interop.materializer_spec import LayerKV, validate_layers, validate_materialize
+from interop.spec import check_arrays
 
 
 _MAX_WORKSPACE_VIEWS = 4096
@@ -70,9 +71,10 @@ def _stacked_cache(cache, name: str) -> torch.Tensor:
     copy the whole pool on every call; allocate the pool as one buffer, or take the
     result through materialize_layers.
     """
-    if isinstance(cache, torch.Tensor):
-        return cache
+    if not isinstance(cache, (list, tuple)):
+        return cache  # one array: the op's validation checks it
     caches = list(cache)
+    check_arrays(((f"{name}[{layer}]", layer_cache) for layer, layer_cache in enumerate(caches)), "torch")
     stride = _layer_stride(caches)
     if stride is None:
         raise ValueError(
@@ -183,7 +185,7 @@ class FusedKVMaterializer:
         ``k, v: dtype[total_ctx, num_kv_heads, head_dim]`` are views of a staging buffer
         the materializer reuses: copy what is needed before the next call.
         """
-        total_ctx = validate_materialize(ctx_hidden, self.config, max_position)
+        total_ctx = validate_materialize(ctx_hidden, self.config, max_position, accepted="torch")
         out_shape = self.config.op.output_shape(self.config.n_layers, total_ctx)
         half = self.config.n_layers * total_ctx * self.config.op.kv_size
         self._staging = _grown(self._staging, 2 * half, "staging buffer")
@@ -237,7 +239,7 @@ class FusedKVMaterializer:
                         max_position: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The workspace this call's GEMM will fill (nothing launched yet), as the op's ``kv``
         and as the GEMM's ``[total_ctx, n_layers * 2*kv_size]`` output."""
-        total_ctx = validate_materialize(ctx_hidden, self.config, max_position)
+        total_ctx = validate_materialize(ctx_hidden, self.config, max_position, accepted="torch")
         if ctx_hidden.device != self._workspace.device:
             raise ValueError(
                 "Invalid ctx_hidden device for fused KV materialization: "

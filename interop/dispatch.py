@@ -23,7 +23,7 @@ import importlib
 import os
 
 from interop.exchange import framework_of, to_caller, to_framework
-from interop.spec import device_name, validate_call
+from interop.spec import check_arrays, check_output_buffers, device_name, validate_call
 
 BACKENDS = ("torch", "jax")
 
@@ -97,11 +97,15 @@ def fused_kv_norm_rope(
     Returns:
       ``(k_out, v_out)`` as arrays of ``kv``'s framework.
     """
+    outputs = (("k_out", k_out), ("v_out", v_out))
+    check_arrays((("kv", kv), ("k_norm_weight", k_norm_weight), ("eps", eps),
+                  ("cos_sin_cache", cos_sin_cache), ("positions", positions), *outputs), "any")
     _validate_once(
         kv, k_norm_weight, eps, cos_sin_cache, positions,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
         rope_style=rope_style, k_out=k_out, v_out=v_out,
     )
+    check_output_buffers(kv, outputs)
     caller = framework_of(kv)
     chosen = choose_backend(backend, caller)
     module = load_backend(chosen)
@@ -121,7 +125,9 @@ def fused_kv_norm_rope(
 
 # Validation reads only static arguments, shapes, dtypes and devices, and its Python costs
 # about as much host time as the rest of the call: metadata that passed is not checked
-# again. Rejected metadata is never remembered, so a bad call raises every time.
+# again (the outputs' memory, which depends on addresses, is checked on every call). The
+# static arguments' types are part of the key, since 2.0 == 2 would otherwise let a float
+# size through. Rejected metadata is never remembered, so a bad call raises every time.
 _VALIDATED: set = set()
 _MAX_VALIDATED = 4096
 
@@ -133,12 +139,16 @@ def _metadata(array, with_device: bool = False):
 
 
 def _validate_once(kv, k_norm_weight, eps, cos_sin_cache, positions, *, k_out, v_out, **static):
-    key = (tuple(static.items()), _metadata(kv, True), _metadata(k_norm_weight), _metadata(eps),
-           _metadata(cos_sin_cache), _metadata(positions), _metadata(k_out, True),
-           _metadata(v_out, True))
-    if key in _VALIDATED:
-        return
-    validate_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=k_out, v_out=v_out, **static)
+    key = (tuple((name, type(value), value) for name, value in static.items()), _metadata(kv, True),
+           _metadata(k_norm_weight), _metadata(eps), _metadata(cos_sin_cache), _metadata(positions),
+           _metadata(k_out, True), _metadata(v_out, True))
+    try:
+        if key in _VALIDATED:
+            return
+    except TypeError:  # an unhashable argument, which validation refuses below
+        pass
+    validate_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=k_out, v_out=v_out,
+                  check_buffers=False, **static)
     if len(_VALIDATED) >= _MAX_VALIDATED:
         _VALIDATED.clear()
     _VALIDATED.add(key)

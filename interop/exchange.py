@@ -25,19 +25,9 @@ import importlib
 import numpy as np
 
 from interop.arrays import numpy_dtype
-from interop.spec import dtype_name
+from interop.spec import dtype_name, framework_of
 
 INT32_MAX = 2**31 - 1
-
-
-def framework_of(array) -> str:
-    """``'numpy'``, ``'torch'``, ``'jax'``, or the top-level module of another DLPack producer."""
-    if isinstance(array, np.ndarray):
-        return "numpy"
-    module = type(array).__module__.split(".")[0]
-    if module in ("jaxlib", "jax"):
-        return "jax"
-    return module
 
 
 def to_torch(array):

@@ -29,17 +29,33 @@ from interop.reference import (
     fused_kv_norm_rope_reference,
     rope_cos_sin_cache,
 )
-from interop.spec import FusedKVConfig, dtype_name, validate_call
+from interop.spec import (
+    FusedKVConfig,
+    check_arrays,
+    dtype_name,
+    integer_argument,
+    size_argument,
+    validate_call,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """A layer's rotary embedding: the table rows ``p < max_position`` of base ``base``."""
+    """A layer's rotary embedding: the table rows ``p < max_position`` of base ``base``.
+
+    ``rotary_dim`` must be an int (its range against ``head_dim`` is the op's check) and
+    ``max_position`` a positive int; anything else is refused here, at construction.
+    """
 
     rotary_dim: int
     max_position: int
     base: float = 10000.0
     style: str = "neox"
+
+    def __post_init__(self):
+        object.__setattr__(self, "rotary_dim", integer_argument("rotary_dim", self.rotary_dim,
+                                                                "an even int in [2, head_dim]"))
+        object.__setattr__(self, "max_position", size_argument("max_position", self.max_position))
 
     def cos_sin_cache(self) -> np.ndarray:
         """fp32[max_position, rotary_dim], built by the reference's one table builder."""
@@ -52,6 +68,7 @@ class LayerKV:
 
     kv_proj_weight: float[2*kv_size, hidden], the K rows then the V rows (a Linear's weight).
     k_norm_weight: float[head_dim].
+    num_kv_heads, head_dim: positive ints, refused here, at construction, otherwise.
     """
 
     kv_proj_weight: Any
@@ -60,6 +77,10 @@ class LayerKV:
     num_kv_heads: int
     head_dim: int
     rope: RopeConfig
+
+    def __post_init__(self):
+        for name in ("num_kv_heads", "head_dim"):
+            object.__setattr__(self, name, size_argument(name, getattr(self, name)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,13 +182,19 @@ def validate_layers(layers: Sequence[LayerKV], cos_sin_cache=None) -> Materializ
     return MaterializerConfig(op, n_layers, int(first_shape[1]), weight_dtype, rope.max_position)
 
 
-def validate_materialize(ctx_hidden, config: MaterializerConfig, max_position: int | None) -> int:
+def validate_materialize(ctx_hidden, config: MaterializerConfig, max_position: int | None, *,
+                         accepted: str = "any", arrays=()) -> int:
     """Check one materialize call's hidden states and position bound; return total_ctx.
 
+    ``ctx_hidden`` and the ``(name, array)`` pairs of ``arrays`` must be arrays of the
+    materializer's framework (``accepted``, as :func:`interop.spec.check_arrays`).
     ``max_position``, when given, is the caller's bound on its positions, checked
     against the table on the host instead of reading the positions back (a sync).
     """
+    check_arrays((("ctx_hidden", ctx_hidden), *arrays), accepted)
     shape = tuple(int(d) for d in ctx_hidden.shape)
+    if max_position is not None:
+        max_position = integer_argument("max_position", max_position, f"an int in [0, {config.max_position}]")
     if len(shape) != 2 or shape[1] != config.hidden:
         raise ValueError(
             "Invalid ctx_hidden shape for fused KV materialization: "

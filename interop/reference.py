@@ -100,10 +100,11 @@ def fused_kv_norm_rope_into_cache_reference(
         as_numpy(a) for a in (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc,
                               k_cache, v_cache))
     k_scale, v_scale = (None if s is None else as_numpy(s) for s in (k_scale, v_scale))
+    # The caches are read, never written (the results are copies): one array may be both.
     call = validate_cache_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-        rope_style=rope_style, k_scale=k_scale, v_scale=v_scale,
+        rope_style=rope_style, k_scale=k_scale, v_scale=v_scale, check_buffers=False,
     )
     k, v = _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions)
     k_cache, v_cache = k_cache.copy(), v_cache.copy()

@@ -1,15 +1,27 @@
 """The op's contract: its static configuration and the one validation of a call.
 
 Every entry point (the NumPy reference, the Triton and Pallas wrappers, the
-DLPack dispatcher) calls :func:`validate_call` before it launches or writes
-anything, so a rejected call leaves every caller buffer untouched and raises the
-same ``ValueError`` whatever the framework. The arrays only need ``.shape`` and
-``.dtype`` (NumPy, torch, jax, and jax tracers under ``jit`` all qualify).
+DLPack dispatcher, the materializers) calls :func:`validate_call` before it
+launches or writes anything, so a rejected call leaves every caller buffer
+untouched and raises the same ``ValueError`` or ``TypeError`` whatever the
+framework. The arrays only need ``.shape`` and ``.dtype`` (NumPy, torch, jax, and
+jax tracers under ``jit`` all qualify). Two more checks are separate functions
+because their callers run them at other times: :func:`check_arrays` (is each
+argument an array the entry point takes: runs before anything reads its
+attributes) and :func:`check_output_buffers` (do the outputs overlap: depends on
+addresses, so callers that remember validated metadata still run it every call).
+Sizes are Python ints or other ``numbers.Integral`` such as NumPy's int64 (made
+ints here); ``bool``, floats (even ``2.0``), strings and None are refused, never
+truncated. Nothing here imports torch or jax.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import types
+
+import numpy as np
 
 ROPE_STYLES = ("neox", "gptj")
 KV_DTYPES = ("bfloat16", "float16", "float32")
@@ -80,6 +92,113 @@ def _shape(array) -> tuple[int, ...]:
     return tuple(int(d) for d in array.shape)
 
 
+def _type_name(value) -> str:
+    kind = type(value)
+    if kind.__module__ == "builtins":
+        return kind.__qualname__
+    if framework_of(value) == "jax":
+        return "jax.Array"
+    return f"{kind.__module__.split('.')[0]}.{kind.__qualname__}"
+
+
+def integer_argument(name: str, value, expected: str) -> int:
+    """``value`` as an int; ``TypeError`` naming ``name`` unless it is an integer.
+
+    ``numbers.Integral`` (Python and NumPy ints) qualifies, ``bool`` does not; nothing
+    else is converted, so ``2.5`` can never become 2.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"Invalid {name} for fused KV materialization: "
+            f"got {value!r} ({_type_name(value)}), expected {expected}."
+        )
+    return int(value)
+
+
+def size_argument(name: str, value) -> int:
+    """A size (heads, head_dim, a table's rows...) as a positive int, refused otherwise:
+    ``TypeError`` for a value that is not an integer, ``ValueError`` for zero and below."""
+    value = integer_argument(name, value, "a positive int")
+    if value <= 0:
+        raise ValueError(
+            f"Invalid {name} for fused KV materialization: got {value}, expected a positive int."
+        )
+    return value
+
+
+def tile_argument(name: str, value) -> int:
+    """A tile override (tokens per block, warps) as an int that is a power of two."""
+    value = integer_argument(name, value, "a power of two (an int)")
+    if value < 1 or value & (value - 1):
+        raise ValueError(
+            f"Invalid {name} for fused KV materialization: got {value}, expected a power of two."
+        )
+    return value
+
+
+# Which framework's array each type is, decided once per type: this runs on every call.
+_FRAMEWORK_OF_TYPE: dict[type, str | None] = {}
+
+
+def framework_of(array) -> str | None:
+    """``'numpy'``, ``'torch'``, ``'jax'`` (arrays and tracers), the top-level module of
+    another ``__dlpack__`` producer (``'cupy'``), or None for what is not an array."""
+    kind = type(array)
+    try:
+        return _FRAMEWORK_OF_TYPE[kind]
+    except KeyError:
+        pass
+    modules = [(cls.__module__ or "").split(".")[0] for cls in kind.__mro__]
+    if issubclass(kind, np.ndarray):
+        framework = "numpy"
+    elif any(cls.__name__ == "Tensor" and cls.__module__ == "torch" for cls in kind.__mro__):
+        framework = "torch"
+    elif "jax" in modules or "jaxlib" in modules:
+        framework = "jax"
+    elif hasattr(kind, "__dlpack__"):
+        framework = modules[0]
+    else:
+        framework = None
+    _FRAMEWORK_OF_TYPE[kind] = framework
+    return framework
+
+
+# What each entry point takes: the frameworks (None: any __dlpack__ array) and how to say it.
+_ACCEPTED_ARRAYS = {
+    "torch": (("torch",), "a torch.Tensor (fusedkv_torch takes torch tensors; "
+                          "interop.fused_kv_norm_rope takes arrays of any framework)"),
+    "jax": (("jax", "numpy"), "a jax or NumPy array (fusedkv_jax takes jax and NumPy arrays; "
+                              "interop.fused_kv_norm_rope takes arrays of any framework)"),
+    "any": (None, "an array with __dlpack__ (NumPy, torch, jax, CuPy)"),
+}
+
+
+def check_arrays(named_arrays, accepted: str) -> None:
+    """Refuse, before anything reads them, arguments that are not arrays the entry point takes.
+
+    ``named_arrays``: ``(name, array)`` pairs, None for an optional argument left out.
+    ``accepted``: ``'torch'`` (fusedkv_torch), ``'jax'`` (fusedkv_jax: jax or NumPy
+    arrays) or ``'any'`` (interop: anything with ``__dlpack__``). A wrong kind of
+    object raises ``TypeError``; a NumPy array with a negative stride (which torch
+    cannot take in) raises ``ValueError`` in every entry point alike.
+    """
+    frameworks, expected = _ACCEPTED_ARRAYS[accepted]
+    for name, array in named_arrays:
+        if array is None:
+            continue
+        framework = framework_of(array)
+        if framework is None or (frameworks is not None and framework not in frameworks):
+            raise TypeError(
+                f"Invalid {name} for fused KV materialization: "
+                f"got {_type_name(array)}, expected {expected}."
+            )
+        if framework == "numpy" and any(stride < 0 for stride in array.strides):
+            raise ValueError(
+                f"Invalid {name} for fused KV materialization: got strides {array.strides} with "
+                f"a negative stride, expected non-negative strides (pass np.ascontiguousarray({name}))."
+            )
+
+
 def validate_call(
     kv,
     k_norm_weight,
@@ -93,15 +212,23 @@ def validate_call(
     rope_style: str = "neox",
     k_out=None,
     v_out=None,
+    check_buffers: bool = True,
 ) -> CallShape:
-    """Check one call against DESIGN.md section 1; raise ``ValueError`` on the first problem.
+    """Check one call against DESIGN.md section 1; raise on the first problem.
 
-    Order (users grep for these messages): kv rank, kv trailing dim, rotary/head dim
-    pair, k_norm_weight shape, eps shape, then the checks the seeds do not cover
-    (rope style, dtypes, cos/sin cache, positions), then k_out and v_out. Every
-    check runs even when ``total_ctx == 0`` so a misconfigured model fails on its
-    first, often empty, warm-up call.
+    Order (users grep for these messages): the sizes (``num_kv_heads`` and
+    ``head_dim`` positive ints, ``rotary_dim`` an int), then kv rank, kv trailing
+    dim, rotary/head dim pair, k_norm_weight shape, eps shape, then the checks the
+    seeds do not cover (rope style, dtypes, cos/sin cache, positions), then k_out
+    and v_out: shape, device/dtype, then (``check_buffers``) their memory, by
+    :func:`check_output_buffers`. Every check runs even when ``total_ctx == 0`` so a
+    misconfigured model fails on its first, often empty, warm-up call. A caller that
+    skips ``check_buffers`` because it remembers validated metadata runs
+    :func:`check_output_buffers` itself, on every call.
     """
+    num_kv_heads = size_argument("num_kv_heads", num_kv_heads)
+    head_dim = size_argument("head_dim", head_dim)
+    rotary_dim = integer_argument("rotary_dim", rotary_dim, f"an even int in [2, {head_dim}]")
     kv_shape = _shape(kv)
     if len(kv_shape) != 3:
         raise ValueError(
@@ -109,7 +236,7 @@ def validate_call(
             f"got {kv_shape}, expected 3D [total_ctx, n_layers, kv_size*2]."
         )
     total_ctx, n_layers, kv_dim = kv_shape
-    config = FusedKVConfig(int(num_kv_heads), int(head_dim), int(rotary_dim), rope_style)
+    config = FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style)
     if kv_dim != config.kv_size * 2:
         raise ValueError(
             "Invalid fused KV projection shape: "
@@ -132,9 +259,12 @@ def validate_call(
         )
     _check_supported(kv, k_norm_weight, eps, cos_sin_cache, positions, config, total_ctx)
     expected_out_shape = config.output_shape(n_layers, total_ctx)
-    for name, out in (("k_out", k_out), ("v_out", v_out)):
+    outputs = (("k_out", k_out), ("v_out", v_out))
+    for name, out in outputs:
         if out is not None:
             _check_output(name, out, kv, expected_out_shape)
+    if check_buffers:
+        check_output_buffers(kv, outputs)
     return CallShape(config, total_ctx, n_layers, int(cos_sin_cache.shape[0]))
 
 
@@ -185,6 +315,159 @@ def _check_output(name, out, kv, expected_shape):
         )
 
 
+def check_output_buffers(kv, outputs) -> None:
+    """Refuse outputs the kernel would write wrongly, from their memory layout on the host.
+
+    ``outputs``: ``(name, array)`` pairs (``k_out``/``v_out`` or the two caches), None
+    for one not given. Refused, in this order for each output: a read-only NumPy
+    array; a zero stride on a dimension of size > 1 (an expanded view: several
+    elements, one address); memory shared with ``kv`` or with an earlier output (the
+    same array twice included). Only the elements matter: two interleaved views of
+    one pool (K and V of a layer side by side) are disjoint and pass. jax arrays are
+    never written in place, so for them only the same array twice is refused.
+
+    Reads addresses, strides and sizes, no device work. It runs on every call, so the
+    common case is a few attribute reads per array: buffers whose allocations (a torch
+    tensor's storage) or spans do not meet are apart. Where they meet, whether the
+    elements do is decided once per relative layout (their spans, then
+    ``np.shares_memory``) and remembered.
+    """
+    seen = None
+    for name, out in outputs:
+        if out is None:
+            continue
+        if seen is None:
+            seen = [] if kv is None else [("kv", kv, _extent(kv, framework_of(kv)))]
+        framework = framework_of(out)
+        if framework == "numpy" and not out.flags.writeable:
+            raise ValueError(
+                f"Invalid {name} for fused KV materialization: got a read-only array, "
+                f"expected a writable one (pass a copy: np.array({name}))."
+            )
+        # A contiguous torch tensor has no zero stride on a dimension of size > 1.
+        if framework != "torch" or not out.is_contiguous():
+            layout = _layout(out)
+            if layout is not None and 0 in layout[2] and any(
+                    step == 0 and size > 1 for size, step in zip(layout[1], layout[2])):
+                raise ValueError(
+                    f"Invalid {name} for fused KV materialization: got strides {tuple(layout[2])} "
+                    "with a zero stride, expected no zero strides."
+                )
+        extent = _extent(out, framework)
+        for other_name, other, other_extent in seen:
+            shared = out is other or (_meet(extent, other_extent) and _share_memory(out, other))
+            if shared is None:
+                raise ValueError(
+                    f"Invalid {name} for fused KV materialization: got a buffer whose overlap with "
+                    f"{other_name} could not be ruled out, expected outputs that overlap neither "
+                    "each other nor kv."
+                )
+            if shared:
+                raise ValueError(
+                    f"Invalid {name} for fused KV materialization: got a buffer overlapping "
+                    f"{other_name}, expected outputs that overlap neither each other nor kv."
+                )
+        seen.append((name, out, extent))
+
+
+def _extent(array, framework: str | None) -> tuple[int, int] | None:
+    """Bytes ``[low, high)`` that hold all of ``array``'s elements, cheaply: a torch
+    tensor's storage (its allocation, or the memory it was imported from), the span
+    of the elements otherwise; None for arrays never written in place (jax) or
+    without memory yet (tracers)."""
+    if framework == "torch":
+        storage = array.untyped_storage()
+        low = storage.data_ptr()
+        return low, low + storage.nbytes()
+    layout = _layout(array)
+    return None if layout is None else _span(layout)
+
+
+def _meet(a: tuple[int, int] | None, b: tuple[int, int] | None) -> bool:
+    return a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
+
+
+def _layout(array) -> tuple | None:
+    """``(address, shape, strides, unit, itemsize)`` of an array that can be written in
+    place: strides as its framework counts them, in units of ``unit`` bytes (torch:
+    elements; NumPy and the CUDA array interface: bytes). None for jax arrays
+    (immutable) and tracers (no memory yet)."""
+    framework = framework_of(array)
+    if framework == "torch":
+        itemsize = array.element_size()
+        return array.data_ptr(), array.shape, array.stride(), itemsize, itemsize
+    if framework == "numpy":
+        return array.__array_interface__["data"][0], array.shape, array.strides, 1, array.itemsize
+    if framework in (None, "jax"):
+        return None
+    interface = getattr(array, "__cuda_array_interface__", None)  # CuPy and other GPU producers
+    if interface is None:
+        return None
+    shape, itemsize = tuple(interface["shape"]), int(interface["typestr"][2:])
+    strides = interface.get("strides")
+    if strides is None:  # C-contiguous
+        strides, step = [], itemsize
+        for size in reversed(shape):
+            strides.insert(0, step)
+            step *= size
+    return interface["data"][0], shape, tuple(strides), 1, itemsize
+
+
+def _span(layout) -> tuple[int, int]:
+    """The bytes ``[low, high)`` from the first element to past the last (empty if none)."""
+    address, shape, strides, unit, itemsize = layout
+    if 0 in shape:
+        return address, address
+    low = high = 0
+    for size, step in zip(shape, strides):
+        if step < 0:
+            low += step * (size - 1)
+        else:
+            high += step * (size - 1)
+    return address + low * unit, address + high * unit + itemsize
+
+
+# Whether two layouts at a given distance share an element, by (distance, layouts): the
+# answer does not depend on where they lie, and deciding it costs microseconds.
+_SHARED_BY_RELATIVE_LAYOUT: dict[tuple, bool | None] = {}
+_MAX_REMEMBERED_LAYOUTS = 4096
+_OVERLAP_WORK_LIMIT = 1 << 16  # np.shares_memory's bound; past it, overlap is not ruled out
+
+
+def _share_memory(a_array, b_array) -> bool | None:
+    """Whether two arrays share a byte: False when they cannot (their elements' spans do
+    not meet, or one is never written in place), True when they do, None when deciding
+    it exceeds the work limit."""
+    a, b = _layout(a_array), _layout(b_array)
+    if a is None or b is None:
+        return False
+    key = (b[0] - a[0], a[1:], b[1:])
+    try:
+        return _SHARED_BY_RELATIVE_LAYOUT[key]
+    except KeyError:
+        pass
+    shared = False
+    if _meet(_span(a), _span(b)):
+        try:
+            shared = bool(np.shares_memory(_described(a), _described(b), max_work=_OVERLAP_WORK_LIMIT))
+        except np.exceptions.TooHardError:
+            shared = None
+    if len(_SHARED_BY_RELATIVE_LAYOUT) >= _MAX_REMEMBERED_LAYOUTS:
+        _SHARED_BY_RELATIVE_LAYOUT.clear()
+    _SHARED_BY_RELATIVE_LAYOUT[key] = shared
+    return shared
+
+
+def _described(layout) -> np.ndarray:
+    """A read-only NumPy array of opaque elements at ``layout``'s addresses, for
+    ``np.shares_memory``, which reads the layout only, never the memory (which may be
+    a GPU's)."""
+    address, shape, strides, unit, itemsize = layout
+    interface = dict(version=3, shape=tuple(shape), typestr=f"|V{itemsize}", data=(address, True),
+                     strides=tuple(step * unit for step in strides))
+    return np.asarray(types.SimpleNamespace(__array_interface__=interface))
+
+
 CACHE_ONLY_DTYPES = ("float8_e4m3fn",)
 
 
@@ -204,11 +487,13 @@ def validate_cache_call(
     rope_style: str = "neox",
     k_scale=None,
     v_scale=None,
+    check_buffers: bool = True,
 ) -> CallShape:
     """:func:`validate_call`, then the paged-cache arguments of the op written into a cache.
 
     ``k_cache``/``v_cache`` are ``[n_layers, num_slots, num_kv_heads, head_dim]`` of the
     dtype of ``kv`` or float8_e4m3fn; an fp8 cache needs fp32 ``[n_layers]`` scales.
+    Last (``check_buffers``), the caches' memory, as the outputs' in :func:`validate_call`.
     """
     call = validate_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions,
@@ -251,6 +536,8 @@ def validate_cache_call(
                 f"expected device={want_device}, dtype one of {allowed}."
             )
         _check_scale(scale_name, scale, dtype_name(cache.dtype) in CACHE_ONLY_DTYPES, call.n_layers)
+    if check_buffers:
+        check_output_buffers(kv, (("k_cache", k_cache), ("v_cache", v_cache)))
     return call
 
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ jnp = jax.numpy
 
 import interop  # noqa: E402
 from interop import cli, equivalence  # noqa: E402
+from interop.arrays import as_numpy, numpy_dtype  # noqa: E402
 from interop.backends import run_backend  # noqa: E402
 from interop.exchange import framework_of, to_jax, to_torch  # noqa: E402
 from interop.inputs import random_inputs  # noqa: E402
@@ -242,6 +244,79 @@ def test_a_call_that_passed_before_does_not_let_a_bad_one_through():
         with pytest.raises(ValueError, match=r"^Invalid k_out device/dtype"):
             interop.fused_kv_norm_rope(*args, **STATIC, k_out=bad, v_out=good, backend="torch")
     assert bool((bad == 3.0).all())
+
+
+
+def _refused_before_any_backend_runs(monkeypatch, error, message, *args, **kwargs):
+    """Call interop with a spy on both backends; the call must raise ``message`` and run neither."""
+    ran = []
+    for name in ("torch", "jax"):
+        module = interop.dispatch.load_backend(name)
+        monkeypatch.setattr(module, "fused_kv_norm_rope", lambda *a, _name=name, **k: ran.append(_name))
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        interop.fused_kv_norm_rope(*args, **kwargs)
+    assert ran == []
+
+
+@pytest.mark.parametrize("name", ["kv", "k_out"])
+def test_a_list_is_refused_naming_dlpack(monkeypatch, name):
+    args = dict(zip(("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions"), _inputs(seed=15).arrays()))
+    args[name] = np.zeros((2, 5, 2, 32), np.float32).tolist() if name == "k_out" else args["kv"].tolist()
+    _refused_before_any_backend_runs(
+        monkeypatch, TypeError, f"Invalid {name} for fused KV materialization: got list, expected an array "
+        "with __dlpack__ (NumPy, torch, jax, CuPy).", **args, **STATIC)
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_a_read_only_numpy_output_is_refused_before_any_backend_runs(monkeypatch, backend):
+    inputs = _inputs(seed=16)
+    k_out = np.full((2, 5, 2, 32), 7.0, np.float32).astype(inputs.kv.dtype)
+    k_out.flags.writeable = False
+    _refused_before_any_backend_runs(
+        monkeypatch, ValueError, "Invalid k_out for fused KV materialization: got a read-only array, expected "
+        "a writable one (pass a copy: np.array(k_out)).", *inputs.arrays(), **STATIC, k_out=k_out,
+        backend=backend)
+    assert (k_out.astype(np.float32) == 7.0).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_a_negative_stride_numpy_kv_is_refused_with_the_fix(monkeypatch, backend):
+    inputs = _inputs(seed=17)
+    _refused_before_any_backend_runs(
+        monkeypatch, ValueError, "Invalid kv for fused KV materialization: got strides (-512, 256, 2) with a "
+        "negative stride, expected non-negative strides (pass np.ascontiguousarray(kv)).",
+        inputs.kv[::-1], *inputs.arrays()[1:], **STATIC, backend=backend)
+
+
+def _output(framework, fill):
+    host = np.full((2, 5, 2, 32), fill, np.float32).astype(numpy_dtype("bfloat16"))
+    return {"numpy": host, "torch": to_torch(host).to(DEVICE, copy=True), "jax": jnp.asarray(host)}[framework]
+
+
+@pytest.mark.parametrize("caller, backend", [("torch", "torch"), ("torch", "jax"), ("numpy", "torch"),
+                                             ("numpy", "jax"), ("jax", "jax"), ("jax", "torch")])
+def test_one_array_as_both_outputs_is_refused_on_every_call(caller, backend):
+    if caller == "numpy" and backend == "torch" and DEVICE == "cuda":
+        pytest.skip("NumPy arrays do not reach the Triton kernel on a GPU")
+    args = [_as_caller(a, caller) for a in _inputs(seed=18).arrays()]
+    # The same metadata with two arrays first: accepted, and remembered.
+    interop.fused_kv_norm_rope(*args, **STATIC, k_out=_output(caller, 1.0), v_out=_output(caller, 2.0),
+                               backend=backend)
+    out = _output(caller, 3.0)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="^" + re.escape(
+                "Invalid v_out for fused KV materialization: got a buffer overlapping k_out, expected outputs "
+                "that overlap neither each other nor kv.") + "$"):
+            interop.fused_kv_norm_rope(*args, **STATIC, k_out=out, v_out=out, backend=backend)
+    assert (np.asarray(as_numpy(out), np.float32) == 3.0).all()
+
+
+def test_a_float_size_is_refused_after_the_same_call_with_ints():
+    args = [_as_caller(a, "torch") for a in _inputs(seed=19).arrays()]
+    interop.fused_kv_norm_rope(*args, **STATIC, backend="torch")
+    with pytest.raises(TypeError, match="^" + re.escape(
+            "Invalid num_kv_heads for fused KV materialization: got 2.0 (float), expected a positive int.") + "$"):
+        interop.fused_kv_norm_rope(*args, **{**STATIC, "num_kv_heads": 2.0}, backend="torch")
 
 
 @pytest.mark.gpu

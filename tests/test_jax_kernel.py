@@ -315,6 +315,67 @@ def test_rejected_call_under_jit_leaves_donated_outputs_untouched():
     assert_bit_exact(v_out, poison, name="v_out")
 
 
+@pytest.mark.parametrize("overrides, arrays, error, message", [
+    (dict(num_kv_heads=2.0), {}, TypeError,
+     "Invalid num_kv_heads for fused KV materialization: got 2.0 (float), expected a positive int."),
+    (dict(num_kv_heads="2"), {}, TypeError,
+     "Invalid num_kv_heads for fused KV materialization: got '2' (str), expected a positive int."),
+    (dict(num_kv_heads=0), dict(kv=np.zeros((3, 2, 0), np.float32)), ValueError,
+     "Invalid num_kv_heads for fused KV materialization: got 0, expected a positive int."),
+    (dict(head_dim=True), {}, TypeError,
+     "Invalid head_dim for fused KV materialization: got True (bool), expected a positive int."),
+    (dict(rotary_dim=8.0), {}, TypeError,
+     "Invalid rotary_dim for fused KV materialization: got 8.0 (float), expected an even int in [2, 8]."),
+    (dict(block_tokens=2.0), {}, TypeError,
+     "Invalid block_tokens for fused KV materialization: got 2.0 (float), expected a power of two (an int)."),
+], ids=["heads-float", "heads-str", "heads-0", "head_dim-bool", "rotary-float", "block_tokens-float"])
+def test_sizes_and_tile_overrides_that_are_not_ints_are_refused(overrides, arrays, error, message):
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        fused_kv_norm_rope(**_bad_call_args(**arrays), **{**_static(SMALL), **overrides})
+
+
+OVERLAP = "got a buffer overlapping {}, expected outputs that overlap neither each other nor kv."
+
+
+def test_one_array_as_both_outputs_is_refused_eagerly_and_under_jit():
+    poison = _poisoned(SMALL.output_shape(2, 3), jnp.bfloat16)
+    message = "Invalid v_out for fused KV materialization: " + OVERLAP.format("k_out")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        fused_kv_norm_rope(**_bad_call_args(), **_static(SMALL), k_out=poison, v_out=poison)
+    step = jax.jit(lambda out, **args: fused_kv_norm_rope(**args, **_static(SMALL), k_out=out, v_out=out))
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):  # jax appends a note on its traceback
+        step(poison, **_bad_call_args())
+
+
+def test_numpy_outputs_are_checked_as_the_callers_own_buffers():
+    args = _bad_call_args()
+    read_only = np.full(SMALL.output_shape(2, 3), np.nan, np.float32).astype(numpy_dtype("bfloat16"))
+    read_only.flags.writeable = False
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "Invalid k_out for fused KV materialization: got a read-only array, expected a writable one "
+            "(pass a copy: np.array(k_out)).") + "$"):
+        fused_kv_norm_rope(**args, **_static(SMALL), k_out=read_only)
+    over_kv = args["kv"].reshape(-1)[:96].reshape(SMALL.output_shape(2, 3))
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "Invalid v_out for fused KV materialization: " + OVERLAP.format("kv")) + "$"):
+        fused_kv_norm_rope(**args, **_static(SMALL), v_out=over_kv)
+
+
+@pytest.mark.parametrize("name", ["kv", "positions"])
+def test_arrays_of_another_framework_are_refused_with_a_pointer_to_interop(name):
+    args = _bad_call_args()
+    if name == "kv":
+        torch = pytest.importorskip("torch")
+        args["kv"], got = torch.zeros(args["kv"].shape), "torch.Tensor"
+    else:
+        args["positions"], got = args["positions"].tolist(), "list"
+    message = (f"Invalid {name} for fused KV materialization: got {got}, expected a jax or NumPy array "
+               "(fusedkv_jax takes jax and NumPy arrays; interop.fused_kv_norm_rope takes arrays of any "
+               "framework).")
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        fused_kv_norm_rope(**args, **_static(SMALL))
+
+
 # The paged-cache entry point.
 
 def _cache_case(config, *, n_layers, total_ctx, num_slots, slots, k_dtype, v_dtype, seed):
@@ -449,13 +510,22 @@ def test_bad_cache_input_raises_its_message(overrides, message):
         fused_kv_norm_rope_into_cache(**args, **_static(SMALL))
 
 
+def test_one_array_as_both_caches_is_refused():
+    args = _bad_call_args()
+    cache = jnp.zeros((2, 6, 2, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "Invalid v_cache for fused KV materialization: " + OVERLAP.format("k_cache")) + "$"):
+        fused_kv_norm_rope_into_cache(**args, cache_loc=np.array([0, 1, 2], np.int32), k_cache=cache,
+                                      v_cache=cache, **_static(SMALL))
+
+
 def test_empty_context_returns_the_caches_unchanged():
     cache = np.arange(2 * 4 * 2 * 8, dtype=np.float32).reshape(2, 4, 2, 8).astype(numpy_dtype("bfloat16"))
     args = _bad_call_args(kv=np.zeros((0, 2, 32), numpy_dtype("bfloat16")), positions=np.zeros(0, np.int32))
     k, v = fused_kv_norm_rope_into_cache(**args, cache_loc=np.zeros(0, np.int32), k_cache=cache,
-                                         v_cache=cache, **_static(SMALL))
+                                         v_cache=-cache, **_static(SMALL))
     assert_bit_exact(k, cache)
-    assert_bit_exact(v, cache)
+    assert_bit_exact(v, -cache)
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests below compile the kernel for real")

@@ -7,6 +7,7 @@ On a machine without a GPU the Pallas kernel runs in interpret mode: sizes stay 
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -179,6 +180,28 @@ def test_a_rejected_call_leaves_the_donated_caches_alive_and_untouched():
              k_cache, v_cache)
     assert not k_cache.is_deleted() and not v_cache.is_deleted()
     assert bool((k_cache == POISON).all()) and bool((v_cache == POISON).all())
+
+
+
+def test_one_array_as_both_caches_is_refused_before_jit_donates_it():
+    setup = _setup(total_ctx=4)
+    cache = _poisoned_caches(setup)[0]
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "Invalid v_cache for fused KV materialization: got a buffer overlapping k_cache, expected "
+            "outputs that overlap neither each other nor kv.") + "$"):
+        setup.materializer.materialize_into_cache(setup.ctx_hidden, setup.positions,
+                                                  jnp.asarray([0, 1, 2, 3], jnp.int32), cache, cache)
+    assert not cache.is_deleted() and bool((cache == POISON).all())
+
+
+def test_a_torch_tensor_is_refused_with_a_pointer_to_interop():
+    torch = pytest.importorskip("torch")
+    setup = _setup(total_ctx=4)
+    with pytest.raises(TypeError, match="^" + re.escape(
+            "Invalid positions for fused KV materialization: got torch.Tensor, expected a jax or NumPy array "
+            "(fusedkv_jax takes jax and NumPy arrays; interop.fused_kv_norm_rope takes arrays of any "
+            "framework).") + "$"):
+        setup.materializer.materialize(setup.ctx_hidden, torch.from_numpy(np.array(setup.positions)))
 
 
 def test_out_of_range_positions_give_nan_k_rows_and_a_too_high_bound_is_refused():

@@ -115,3 +115,41 @@ def test_materialize_checks_hidden_states_and_the_position_bound_on_the_host():
             "Invalid max_position for fused KV materialization: got 65, expected at most 64, "
             "the rows of cos_sin_cache.")):
         validate_materialize(np.zeros((5, 64), np.float32), config, 65)
+
+
+@pytest.mark.parametrize("make, error, message", [
+    (lambda layer: dataclasses.replace(layer, head_dim=16.0), TypeError,
+     "Invalid head_dim for fused KV materialization: got 16.0 (float), expected a positive int."),
+    (lambda layer: dataclasses.replace(layer, num_kv_heads=0), ValueError,
+     "Invalid num_kv_heads for fused KV materialization: got 0, expected a positive int."),
+    (lambda layer: RopeConfig(rotary_dim=32.0, max_position=64), TypeError,
+     "Invalid rotary_dim for fused KV materialization: got 32.0 (float), expected an even int in "
+     "[2, head_dim]."),
+    (lambda layer: RopeConfig(rotary_dim=32, max_position=0), ValueError,
+     "Invalid max_position for fused KV materialization: got 0, expected a positive int."),
+    (lambda layer: RopeConfig(rotary_dim=32, max_position="64"), TypeError,
+     "Invalid max_position for fused KV materialization: got '64' (str), expected a positive int."),
+], ids=["head_dim-float", "heads-0", "rotary-float", "max_position-0", "max_position-str"])
+def test_layer_and_rope_sizes_that_are_not_positive_ints_are_refused_at_construction(make, error, message):
+    layer = _layers(n_layers=1)[0]
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        make(layer)
+
+
+def test_numpy_integer_sizes_are_taken_as_ints():
+    layers = [dataclasses.replace(layer, num_kv_heads=np.int64(2), head_dim=np.int32(32),
+                                  rope=RopeConfig(np.int64(32), np.int64(64))) for layer in _layers()]
+    assert validate_layers(layers).op == OP
+    assert type(layers[0].head_dim) is int and type(layers[0].rope.max_position) is int
+
+
+def test_materialize_checks_the_types_of_hidden_states_and_of_the_position_bound():
+    config = validate_layers(_layers())
+    with pytest.raises(TypeError, match=re.escape(
+            "Invalid max_position for fused KV materialization: got 3.5 (float), expected an int in "
+            "[0, 64].")):
+        validate_materialize(np.zeros((5, 64), np.float32), config, 3.5)
+    with pytest.raises(TypeError, match=re.escape(
+            "Invalid ctx_hidden for fused KV materialization: got list, expected an array with "
+            "__dlpack__ (NumPy, torch, jax, CuPy).")):
+        validate_materialize([[0.0] * 64], config, None)

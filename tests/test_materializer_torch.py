@@ -7,6 +7,7 @@ On a machine without a GPU the Triton kernel runs in interpret mode (conftest.py
 """
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -262,6 +263,39 @@ def test_a_rejected_call_leaves_the_caches_untouched():
     with pytest.raises(ValueError, match=r"^Invalid ctx_hidden shape"):
         setup.materializer.materialize_into_cache(
             setup.ctx_hidden[:, :32], setup.positions, _slots(0, 1, 2, 3), k_cache, v_cache)
+    assert bool((k_cache == POISON).all()) and bool((v_cache == POISON).all())
+
+
+
+def test_one_buffer_as_both_outputs_or_both_caches_is_refused_untouched():
+    setup = _setup(total_ctx=4)
+    out = torch.full((3, 4, OP.num_kv_heads, OP.head_dim), POISON, dtype=torch.bfloat16, device=DEVICE)
+    overlap = ("Invalid v_{} for fused KV materialization: got a buffer overlapping k_{}, expected outputs "
+               "that overlap neither each other nor kv.")
+    with pytest.raises(ValueError, match=f"^{re.escape(overlap.format('out', 'out'))}$"):
+        setup.materializer.materialize(setup.ctx_hidden, setup.positions, k_out=out, v_out=out)
+    cache = _poisoned_caches(setup)[0]
+    with pytest.raises(ValueError, match=f"^{re.escape(overlap.format('cache', 'cache'))}$"):
+        setup.materializer.materialize_into_cache(setup.ctx_hidden, setup.positions, _slots(0, 1, 2, 3),
+                                                  cache, cache)
+    layers = [cache[layer] for layer in range(3)]  # one pool given as both per-layer lists
+    with pytest.raises(ValueError, match=f"^{re.escape(overlap.format('cache', 'cache'))}$"):
+        setup.materializer.materialize_into_cache(setup.ctx_hidden, setup.positions, _slots(0, 1, 2, 3),
+                                                  layers, layers)
+    assert bool((out == POISON).all()) and bool((cache == POISON).all())
+
+
+@pytest.mark.parametrize("name", ["ctx_hidden", "positions"])
+def test_numpy_arguments_are_refused_with_a_pointer_to_interop(name):
+    setup = _setup(total_ctx=4)
+    args = dict(ctx_hidden=setup.ctx_hidden, positions=setup.positions)
+    args[name] = as_numpy(args[name])
+    k_cache, v_cache = _poisoned_caches(setup)
+    message = (f"Invalid {name} for fused KV materialization: got numpy.ndarray, expected a torch.Tensor "
+               "(fusedkv_torch takes torch tensors; interop.fused_kv_norm_rope takes arrays of any framework).")
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        setup.materializer.materialize_into_cache(args["ctx_hidden"], args["positions"], _slots(0, 1, 2, 3),
+                                                  k_cache, v_cache)
     assert bool((k_cache == POISON).all()) and bool((v_cache == POISON).all())
 
 

@@ -5,7 +5,12 @@ raise validation's own message and leave the caller's buffers as they were.
 """
 
 import dataclasses
+import os
+import pathlib
 import re
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -471,6 +476,163 @@ def test_a_rejected_call_is_rejected_again_after_good_calls():
             fused_kv_norm_rope(**args, **settings)
 
 
+SHAPE = CONFIG.output_shape(2, 3)
+
+
+def bits(tensor):
+    return as_numpy(tensor).tobytes()
+
+
+@pytest.mark.parametrize("total_ctx", [3, 64])  # from 64 tokens the tile choice divides by the heads
+@pytest.mark.parametrize("sizes, error, message", [
+    (dict(num_kv_heads=2.5), TypeError,
+     "Invalid num_kv_heads for fused KV materialization: got 2.5 (float), expected a positive int."),
+    (dict(num_kv_heads=True), TypeError,
+     "Invalid num_kv_heads for fused KV materialization: got True (bool), expected a positive int."),
+    (dict(num_kv_heads=0), ValueError,
+     "Invalid num_kv_heads for fused KV materialization: got 0, expected a positive int."),
+    (dict(head_dim="64"), TypeError,
+     "Invalid head_dim for fused KV materialization: got '64' (str), expected a positive int."),
+    (dict(rotary_dim=32.0), TypeError,
+     "Invalid rotary_dim for fused KV materialization: got 32.0 (float), expected an even int in [2, 64]."),
+], ids=["heads-2.5", "heads-True", "heads-0", "head_dim-str", "rotary-float"])
+def test_sizes_that_are_not_positive_ints_are_refused_before_any_work(sizes, error, message, total_ctx):
+    inputs = random_inputs(CONFIG, n_layers=2, total_ctx=total_ctx, max_position=16, seed=14)
+    kv, *rest = on_device(inputs)
+    shape = CONFIG.output_shape(2, total_ctx)
+    k_out, v_out = poisoned(shape, kv.dtype), poisoned(shape, kv.dtype)
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        fused_kv_norm_rope(kv, *rest, **{**static(CONFIG), **sizes}, k_out=k_out, v_out=v_out)
+    assert torch.isnan(k_out).all() and torch.isnan(v_out).all()
+
+
+def test_a_float_size_is_refused_after_the_same_call_with_ints_passed():
+    # The accepted call is remembered by its metadata, in which 2.0 == 2.
+    inputs = random_inputs(CONFIG, n_layers=2, total_ctx=3, max_position=16, seed=15)
+    kv, *rest = on_device(inputs)
+    fused_kv_norm_rope(kv, *rest, **static(CONFIG))
+    k_out = poisoned(SHAPE, kv.dtype)
+    with pytest.raises(TypeError, match=re.escape("Invalid num_kv_heads for fused KV materialization: got 2.0 "
+                                                  "(float), expected a positive int.")):
+        fused_kv_norm_rope(kv, *rest, **{**static(CONFIG), "num_kv_heads": 2.0}, k_out=k_out)
+    assert torch.isnan(k_out).all()
+
+
+@pytest.mark.parametrize("foreign, got", [("kv", "numpy.ndarray"), ("positions", "list"), ("v_out", "numpy.ndarray")])
+def test_arrays_of_another_framework_are_refused_with_a_pointer_to_interop(foreign, got):
+    inputs = random_inputs(CONFIG, n_layers=2, total_ctx=3, max_position=16, seed=16)
+    args = dict(zip(("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions"), on_device(inputs)))
+    k_out = poisoned(SHAPE, args["kv"].dtype)
+    args["v_out"] = poisoned(SHAPE, args["kv"].dtype)
+    args[foreign] = {"kv": inputs.kv, "positions": inputs.positions.tolist(),
+                     "v_out": np.zeros(SHAPE, inputs.kv.dtype)}[foreign]
+    message = (f"Invalid {foreign} for fused KV materialization: got {got}, expected a torch.Tensor "
+               "(fusedkv_torch takes torch tensors; interop.fused_kv_norm_rope takes arrays of any framework).")
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        fused_kv_norm_rope(**args, **static(CONFIG), k_out=k_out)
+    assert torch.isnan(k_out).all()
+
+
+OVERLAP_MESSAGE = "got a buffer overlapping {}, expected outputs that overlap neither each other nor kv."
+
+
+def overlapping_outputs(case, kv):
+    """``(k_out, v_out, message)``: outputs of the right shape, dtype and device that
+    the kernel would write wrongly, and the error they must get."""
+    n = SHAPE[0] * SHAPE[1] * SHAPE[2] * SHAPE[3]
+    if case == "one tensor as both":
+        k_out = poisoned(SHAPE, kv.dtype)
+        return k_out, k_out, "Invalid v_out for fused KV materialization: " + OVERLAP_MESSAGE.format("k_out")
+    if case == "partly shared":
+        pool = poisoned((2 * n - 64,), kv.dtype)
+        return (pool[:n].view(SHAPE), pool[n - 64:].view(SHAPE),
+                "Invalid v_out for fused KV materialization: " + OVERLAP_MESSAGE.format("k_out"))
+    if case == "one buffer in two storages":  # as DLPack imports make them
+        k_out = poisoned(SHAPE, kv.dtype)
+        return (k_out, torch.utils.dlpack.from_dlpack(k_out.__dlpack__()),
+                "Invalid v_out for fused KV materialization: " + OVERLAP_MESSAGE.format("k_out"))
+    if case == "k_out over kv":
+        return (kv.reshape(-1)[n:].view(SHAPE), poisoned(SHAPE, kv.dtype),
+                "Invalid k_out for fused KV materialization: " + OVERLAP_MESSAGE.format("kv"))
+    assert case == "expanded"
+    return (poisoned((1, *SHAPE[1:]), kv.dtype).expand(SHAPE), poisoned(SHAPE, kv.dtype),
+            "Invalid k_out for fused KV materialization: got strides (0, 128, 64, 1) with a zero stride, "
+            "expected no zero strides.")
+
+
+@pytest.mark.parametrize("case", ["one tensor as both", "partly shared", "one buffer in two storages",
+                                  "k_out over kv", "expanded"])
+def test_overlapping_outputs_are_refused_on_every_call_and_nothing_is_written(case):
+    inputs = random_inputs(CONFIG, n_layers=2, total_ctx=3, max_position=16, seed=17)
+    kv, *rest = on_device(inputs)
+    # The same metadata with separate outputs first: accepted, and remembered.
+    fused_kv_norm_rope(kv, *rest, **static(CONFIG), k_out=poisoned(SHAPE, kv.dtype),
+                       v_out=poisoned(SHAPE, kv.dtype))
+    k_out, v_out, message = overlapping_outputs(case, kv)
+    before = [bits(buffer) for buffer in (kv, k_out, v_out)]
+    for _ in range(2):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            fused_kv_norm_rope(kv, *rest, **static(CONFIG), k_out=k_out, v_out=v_out)
+    assert [bits(buffer) for buffer in (kv, k_out, v_out)] == before
+
+
+def test_k_and_v_side_by_side_in_one_pool_share_no_element_and_are_written():
+    inputs = random_inputs(CONFIG, n_layers=2, total_ctx=3, max_position=16, seed=18)
+    kv, *rest = on_device(inputs)
+    pool = poisoned((2, 2, *SHAPE[1:]), kv.dtype)  # [n_layers, K or V, total_ctx, heads, head_dim]
+    k, v = fused_kv_norm_rope(kv, *rest, **static(CONFIG), k_out=pool[:, 0], v_out=pool[:, 1])
+    assert_matches_reference(inputs, CONFIG, k, v)
+
+
+@pytest.mark.parametrize("override, error, message", [
+    (dict(block_tokens=2.0), TypeError,
+     "Invalid block_tokens for fused KV materialization: got 2.0 (float), expected a power of two (an int)."),
+    (dict(block_tokens=0), ValueError,
+     "Invalid block_tokens for fused KV materialization: got 0, expected a power of two."),
+    (dict(num_warps=3), ValueError,
+     "Invalid num_warps for fused KV materialization: got 3, expected a power of two."),
+    (dict(heads_per_program=0), ValueError,
+     "Invalid heads_per_program for fused KV materialization: got 0, expected a positive int."),
+], ids=["block_tokens-float", "block_tokens-0", "num_warps-3", "heads_per_program-0"])
+def test_launch_tile_overrides_are_checked_before_launching(override, error, message):
+    inputs = random_inputs(CONFIG, n_layers=2, total_ctx=3, max_position=16, seed=19)
+    kv, *rest = on_device(inputs)
+    k_out, v_out = poisoned(SHAPE, kv.dtype), poisoned(SHAPE, kv.dtype)
+    with pytest.raises(error, match=f"^{re.escape(message)}$"):
+        launch(kv, *rest, k_out, v_out, config=CONFIG, **override)
+    assert torch.isnan(k_out).all() and torch.isnan(v_out).all()
+
+
+def test_without_a_gpu_or_the_interpreter_the_error_says_to_set_triton_interpret():
+    # conftest sets TRITON_INTERPRET for this process; a fresh one without it compiles for
+    # a GPU, which CPU tensors (and, here, a machine without one) cannot run.
+    script = textwrap.dedent("""
+        import torch
+        from fusedkv_torch import fused_kv_norm_rope
+        from interop.exchange import to_torch
+        from interop.inputs import random_inputs
+        from interop.spec import FusedKVConfig
+
+        inputs = random_inputs(FusedKVConfig(2, 64, 32), n_layers=2, total_ctx=3, max_position=16)
+        args = [to_torch(array) for array in inputs.arrays()]
+        k_out = torch.full((2, 3, 2, 64), float("nan"), dtype=args[0].dtype)
+        try:
+            fused_kv_norm_rope(*args, num_kv_heads=2, head_dim=64, rotary_dim=32, k_out=k_out)
+        except ValueError as error:
+            print(error)
+        print(bool(torch.isnan(k_out).all()))
+    """)
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], cwd=pathlib.Path(__file__).parents[1], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-2:] == [
+        "Invalid kv device for fused KV materialization: got device=cpu, expected a CUDA device (to run "
+        "the Triton kernel on the CPU, set TRITON_INTERPRET=1 before fusedkv_torch is imported).",
+        "True",
+    ]
+
+
 # The paged-cache path.
 
 def cache_call(config, *, n_layers=2, total_ctx=6, num_slots=9, cache_dtype=None, seed=20,
@@ -648,6 +810,38 @@ def test_bad_cache_call_raises_validation_message_and_writes_nothing(name):
         fused_kv_norm_rope_into_cache(**args, **static(CONFIG))
     for cache in caches:
         assert torch.isnan(cache).all()
+
+
+@pytest.mark.parametrize("case", ["one tensor as both caches", "v_cache over kv"])
+def test_overlapping_caches_are_refused_on_every_call_and_nothing_is_written(case):
+    inputs, slots, poison, _ = cache_call(CONFIG, total_ctx=3, num_slots=5, seed=22)
+    kv, *rest = on_device(inputs)
+    cache_loc = to_torch(slots).to(DEVICE)
+    # The same metadata with separate caches first: accepted, and remembered.
+    fused_kv_norm_rope_into_cache(kv, *rest, cache_loc, *(to_torch(poison.copy()).to(DEVICE) for _ in range(2)),
+                                  **static(CONFIG))
+    k_cache = to_torch(poison.copy()).to(DEVICE)
+    if case == "one tensor as both caches":
+        v_cache, message = k_cache, "Invalid v_cache for fused KV materialization: " + OVERLAP_MESSAGE.format("k_cache")
+    else:
+        v_cache = kv.reshape(-1)[:poison.size].view(poison.shape)
+        message = "Invalid v_cache for fused KV materialization: " + OVERLAP_MESSAGE.format("kv")
+    before = [bits(buffer) for buffer in (kv, k_cache, v_cache)]
+    for _ in range(2):
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            fused_kv_norm_rope_into_cache(kv, *rest, cache_loc, k_cache, v_cache, **static(CONFIG))
+    assert [bits(buffer) for buffer in (kv, k_cache, v_cache)] == before
+
+
+def test_a_cache_call_refuses_another_frameworks_cache():
+    inputs, slots, poison, _ = cache_call(CONFIG, total_ctx=3, num_slots=5, seed=23)
+    k_cache = to_torch(poison.copy()).to(DEVICE)
+    message = ("Invalid v_cache for fused KV materialization: got numpy.ndarray, expected a torch.Tensor "
+               "(fusedkv_torch takes torch tensors; interop.fused_kv_norm_rope takes arrays of any framework).")
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        fused_kv_norm_rope_into_cache(*on_device(inputs), to_torch(slots).to(DEVICE), k_cache, poison.copy(),
+                                      **static(CONFIG))
+    assert torch.isnan(k_cache).all()
 
 
 # GPU only: real sizes, compilation, CUDA graphs, 64-bit offsets.

@@ -8,7 +8,8 @@ import pytest
 from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_reference
 from interop.arrays import numpy_dtype
-from interop.spec import FusedKVConfig, validate_cache_call, validate_call
+from interop import spec
+from interop.spec import FusedKVConfig, check_arrays, validate_cache_call, validate_call
 
 CONFIG = FusedKVConfig(num_kv_heads=2, head_dim=8, rotary_dim=8)
 STATIC = dict(num_kv_heads=2, head_dim=8, rotary_dim=8)
@@ -185,3 +186,146 @@ def test_importing_interop_imports_neither_torch_nor_jax():
              "print(sorted(m for m in ('torch', 'jax', 'triton') if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]"
+
+
+# Sizes: positive ints, refused (never truncated) otherwise, before anything else is checked.
+
+NOT_INTS = [(True, "True (bool)"), (2.0, "2.0 (float)"), (2.5, "2.5 (float)"), ("2", "'2' (str)"),
+            (None, "None (NoneType)"), (np.float64(8.0), "np.float64(8.0) (numpy.float64)")]
+
+
+@pytest.mark.parametrize("bad, shown", NOT_INTS, ids=[shown for _, shown in NOT_INTS])
+@pytest.mark.parametrize("name, expected", [("num_kv_heads", "a positive int"), ("head_dim", "a positive int"),
+                                            ("rotary_dim", "an even int in [2, 8]")])
+def test_a_size_that_is_not_an_int_is_a_type_error_naming_it(name, expected, bad, shown):
+    message = f"Invalid {name} for fused KV materialization: got {shown}, expected {expected}."
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        validate_call(**_args(), **{**STATIC, name: bad})
+
+
+@pytest.mark.parametrize("name", ["num_kv_heads", "head_dim"])
+@pytest.mark.parametrize("bad", [0, -2])
+def test_a_size_below_one_is_a_value_error_naming_it(name, bad):
+    _expect(f"Invalid {name} for fused KV materialization: got {bad}, expected a positive int.",
+            **_args(), **{**STATIC, name: bad})
+
+
+def test_sizes_are_checked_before_the_arrays():
+    with pytest.raises(TypeError, match=r"^Invalid head_dim for fused KV materialization: got 8\.0"):
+        validate_call(**_args(kv=np.zeros((3, 64), np.float32)), num_kv_heads=2, head_dim=8.0, rotary_dim=8)
+
+
+def test_numpy_integer_sizes_are_taken_as_ints():
+    call = validate_call(**_args(), num_kv_heads=np.int64(2), head_dim=np.int32(8), rotary_dim=np.int16(8))
+    assert call.config == CONFIG
+    assert all(type(size) is int for size in (call.config.num_kv_heads, call.config.head_dim,
+                                              call.config.rotary_dim))
+
+
+# Arguments: arrays of the entry point's framework.
+
+def test_a_list_is_not_an_array():
+    with pytest.raises(TypeError, match="^" + re.escape(
+            "Invalid kv for fused KV materialization: got list, expected an array with __dlpack__ "
+            "(NumPy, torch, jax, CuPy).") + "$"):
+        check_arrays([("kv", [[[1.0]]])], "any")
+
+
+@pytest.mark.parametrize("accepted, expected", [
+    ("torch", "a torch.Tensor (fusedkv_torch takes torch tensors; interop.fused_kv_norm_rope takes "
+              "arrays of any framework)"),
+    ("jax", "a jax or NumPy array (fusedkv_jax takes jax and NumPy arrays; interop.fused_kv_norm_rope "
+            "takes arrays of any framework)"),
+])
+def test_a_backend_points_other_arrays_to_interop(accepted, expected):
+    arrays = {"torch": np.zeros(3, np.int32), "jax": [0, 1, 2]}
+    got = {"torch": "numpy.ndarray", "jax": "list"}
+    with pytest.raises(TypeError, match="^" + re.escape(
+            f"Invalid positions for fused KV materialization: got {got[accepted]}, expected {expected}.") + "$"):
+        check_arrays([("kv", None), ("positions", arrays[accepted])], accepted)
+
+
+def test_a_negative_stride_names_the_fix():
+    kv = _args()["kv"][::-1]
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "Invalid kv for fused KV materialization: got strides (-128, 64, 2) with a negative stride, "
+            "expected non-negative strides (pass np.ascontiguousarray(kv)).") + "$"):
+        check_arrays([("kv", kv)], "any")
+
+
+# Outputs: writable, no zero strides, sharing memory neither with each other nor with kv.
+
+def _out(fill=7.0):
+    return np.full((2, 3, 2, 8), fill, np.float32).astype(numpy_dtype("bfloat16"))
+
+
+def _expect_buffers(message, **outputs):
+    args = _args()
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        validate_call(**args, **STATIC, **outputs)
+
+
+def test_one_array_as_both_outputs_is_refused():
+    out = _out()
+    _expect_buffers("Invalid v_out for fused KV materialization: got a buffer overlapping k_out, expected "
+                    "outputs that overlap neither each other nor kv.", k_out=out, v_out=out)
+
+
+def test_outputs_that_share_some_memory_are_refused():
+    pool = np.concatenate([_out().reshape(-1), _out().reshape(-1)])
+    k_out, v_out = pool[:96].reshape(2, 3, 2, 8), pool[95:191].reshape(2, 3, 2, 8)  # one element shared
+    _expect_buffers("Invalid v_out for fused KV materialization: got a buffer overlapping k_out, expected "
+                    "outputs that overlap neither each other nor kv.", k_out=k_out, v_out=v_out)
+
+
+def test_an_output_over_kv_is_refused():
+    args = _args()
+    k_out = args["kv"].reshape(-1)[96:].reshape(2, 3, 2, 8)
+    with pytest.raises(ValueError, match="^" + re.escape(
+            "Invalid k_out for fused KV materialization: got a buffer overlapping kv, expected outputs "
+            "that overlap neither each other nor kv.") + "$"):
+        validate_call(**args, **STATIC, k_out=k_out)
+
+
+def test_a_zero_stride_output_is_refused():
+    expanded = np.lib.stride_tricks.as_strided(_out(), strides=(0, 32, 16, 2), writeable=True)
+    _expect_buffers("Invalid k_out for fused KV materialization: got strides (0, 32, 16, 2) with a zero "
+                    "stride, expected no zero strides.", k_out=expanded)
+
+
+def test_a_read_only_output_is_refused():
+    read_only = _out()
+    read_only.flags.writeable = False
+    _expect_buffers("Invalid v_out for fused KV materialization: got a read-only array, expected a "
+                    "writable one (pass a copy: np.array(v_out)).", k_out=_out(), v_out=read_only)
+
+
+def test_k_and_v_side_by_side_in_one_pool_share_no_element_and_pass():
+    pool = np.stack([_out(1.0), _out(2.0)], axis=1)  # [n_layers, 2, total_ctx, heads, head_dim]
+    validate_call(**_args(), **STATIC, k_out=pool[:, 0], v_out=pool[:, 1])
+    _expect_buffers("Invalid v_out for fused KV materialization: got a buffer overlapping k_out, expected "
+                    "outputs that overlap neither each other nor kv.", k_out=pool[:, 0], v_out=pool[:, 0][:])
+
+
+def test_an_overlap_too_costly_to_decide_is_refused(monkeypatch):
+    monkeypatch.setattr(spec, "_OVERLAP_WORK_LIMIT", 0)
+    monkeypatch.setattr(spec, "_SHARED_BY_RELATIVE_LAYOUT", {})
+    pool = np.stack([_out(1.0), _out(2.0)], axis=1)
+    _expect_buffers("Invalid v_out for fused KV materialization: got a buffer whose overlap with k_out "
+                    "could not be ruled out, expected outputs that overlap neither each other nor kv.",
+                    k_out=pool[:, 0], v_out=pool[:, 1])
+
+
+def test_buffers_are_checked_after_shapes_and_dtypes_and_only_when_asked():
+    out = _out()
+    _expect_buffers("Invalid v_out device/dtype for fused KV materialization: got device=cpu, "
+                    "dtype=float32, expected device=cpu, dtype=bfloat16.",
+                    k_out=out, v_out=np.zeros((2, 3, 2, 8), np.float32))
+    validate_call(**_args(), **STATIC, k_out=out, v_out=out, check_buffers=False)
+
+
+def test_one_array_as_both_caches_is_refused():
+    args = _cache_args()
+    _expect_cache("Invalid v_cache for fused KV materialization: got a buffer overlapping k_cache, "
+                  "expected outputs that overlap neither each other nor kv.",
+                  **{**args, "v_cache": args["k_cache"]}, **STATIC)
