@@ -16,14 +16,17 @@ from interop.equivalence import header  # noqa: E402
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
-def _blocks(language: str) -> list[tuple[int, str]]:
-    """``(first line, text)`` of every fenced block of ``language`` in README.md."""
+def _blocks(info: str) -> list[tuple[int, str]]:
+    """``(first line, text)`` of every fenced block whose info string is ``info`` in README.md."""
     text = README.read_text()
     return [(text.count("\n", 0, match.start(1)) + 1, match.group(1))
-            for match in re.finditer(rf"^```{language}\n(.*?)^```", text, re.M | re.S)]
+            for match in re.finditer(rf"^```{info}\n(.*?)^```", text, re.M | re.S)]
 
 
 SNIPPETS = _blocks("python")
+# Parts of a program on several devices (the sharding section): they cannot run in one
+# CPU process, so they are only compiled here; tests/test_sharding.py runs the patterns.
+FRAGMENTS = _blocks("python fragment")
 COMMANDS = [shlex.split(line, comments=True) for _, block in _blocks("sh")
             for line in block.splitlines() if line.startswith("fusedkv ")]
 
@@ -42,6 +45,11 @@ def test_python_snippet_runs_as_written(line, code):
     # Padded so that a traceback names the README's own line; a fresh namespace, so a
     # name the snippet does not define itself fails.
     exec(compile("\n" * (line - 1) + code, str(README), "exec"), {"__name__": "__readme__"})
+
+
+@pytest.mark.parametrize("line, code", FRAGMENTS, ids=[f"README.md:{line}" for line, _ in FRAGMENTS])
+def test_python_fragment_is_valid_python(line, code):
+    compile("\n" * (line - 1) + code, str(README), "exec")
 
 
 @pytest.mark.parametrize("argv", COMMANDS, ids=" ".join)
