@@ -50,6 +50,8 @@ from interop.exchange import narrow_for_jax
 from interop.reference import FP8_E4M3_MAX
 from interop.spec import FusedKVConfig, validate_cache_call, validate_call
 
+from fusedkv_jax import mosaic_kernel
+
 # A tile of about this many K elements per program, and this many per thread, keep the
 # K tile, its RoPE partner, V, cos and sin in registers: 64-80 per thread, no spills, by
 # ptxas for sm_90 (32 per thread take 128-132). On the H200 (2026-11-29, bf16, 5 layers,
@@ -274,6 +276,7 @@ def fused_kv_norm_rope(
     block_heads: int | None = None,
     num_warps: int | None = None,
     interpret: bool | None = None,
+    lowering: str | None = None,
 ):
     """RMSNorm + RoPE on K, V passed through, for all layers in one kernel.
 
@@ -299,8 +302,11 @@ def fused_kv_norm_rope(
       k_out, v_out: optional dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim];
         aliased to the outputs, so under ``jax.jit`` with these buffers donated the
         results are written in place (without donation XLA copies them first).
-      block_tokens, block_heads, num_warps: tile overrides (powers of two) for tuning.
+      block_tokens, block_heads, num_warps: tile overrides (powers of two) for tuning
+        the Triton lowering.
       interpret: run in Pallas interpret mode; None means "when ``kv`` is on the CPU".
+      lowering: ``"triton"``, ``"mosaic_gpu"``, or None for the default of the
+        configuration (:func:`default_lowering`).
 
     Returns:
       ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim].
@@ -315,15 +321,66 @@ def fused_kv_norm_rope(
     )
     tile = _tile(call.total_ctx, call.n_layers, num_kv_heads, head_dim,
                  block_tokens, block_heads, num_warps)
+    interpret = _on_cpu(kv) if interpret is None else interpret
+    lowering = _lowering(lowering, call, kv.dtype, interpret,
+                         tuned=(block_tokens, block_heads, num_warps) != (None, None, None))
     if call.total_ctx == 0:
         empty = jnp.empty(call.output_shape, kv.dtype)
         return (empty if k_out is None else k_out), (empty if v_out is None else v_out)
     positions = narrow_for_jax(positions)
+    if lowering == "mosaic_gpu":
+        return mosaic_kernel.launch(kv, k_norm_weight, eps, cos_sin_cache, positions,
+                                    config=call.config, interpret=interpret)
     return _launch(
         kv, k_norm_weight, eps, cos_sin_cache, positions, None, k_out, v_out, None, None,
         config=call.config, block_tokens=tile[0], block_heads=tile[1], num_warps=tile[2],
-        interpret=_on_cpu(kv) if interpret is None else interpret,
+        interpret=interpret,
     )
+
+
+LOWERINGS = ("triton", "mosaic_gpu")
+
+
+def default_lowering(config: FusedKVConfig, kv_dtype, *, interpret: bool = False) -> str:
+    """The lowering :func:`fused_kv_norm_rope` takes for ``config`` when none is named.
+
+    Mosaic GPU wherever :func:`fusedkv_jax.mosaic_kernel.supports` the configuration
+    and a GPU runs it; the Triton lowering for the rest (``gptj``, rotary halves or
+    tails not a multiple of 8 columns and 16 bytes) and in interpret mode, where
+    jax 0.10.2's Mosaic GPU interpreter cannot read past the end of an array (the
+    ragged last token block).
+    """
+    if not interpret and mosaic_kernel.supports(config, kv_dtype):
+        return "mosaic_gpu"
+    return "triton"
+
+
+def _lowering(lowering, call, kv_dtype, interpret: bool, *, tuned: bool) -> str:
+    """The lowering named (checked against what it can run), or the default."""
+    if lowering is None:
+        return "triton" if tuned else default_lowering(call.config, kv_dtype, interpret=interpret)
+    if lowering not in LOWERINGS:
+        raise ValueError(f"Invalid lowering for fused KV materialization: got {lowering!r}, "
+                         f"expected one of {LOWERINGS} or None.")
+    if lowering == "mosaic_gpu":
+        config = call.config
+        if not mosaic_kernel.supports(config, kv_dtype):
+            raise ValueError(
+                "Invalid lowering for fused KV materialization: got 'mosaic_gpu' for "
+                f"rope_style={config.rope_style!r}, head_dim={config.head_dim}, "
+                f"rotary_dim={config.rotary_dim}, dtype={jnp.dtype(kv_dtype).name}, expected "
+                "'triton' (Mosaic GPU takes neox with rotary halves and tail in multiples of "
+                "8 columns and 16 bytes, head_dim <= 256).")
+        if tuned:
+            raise ValueError("Invalid tile override for fused KV materialization: got "
+                             "block_tokens/block_heads/num_warps with lowering='mosaic_gpu', "
+                             "expected them only with the Triton lowering.")
+        if interpret and call.total_ctx % mosaic_kernel.BLOCK_TOKENS:
+            raise ValueError(
+                "Invalid total_ctx for fused KV materialization in Mosaic GPU interpret "
+                f"mode: got {call.total_ctx}, expected a multiple of "
+                f"{mosaic_kernel.BLOCK_TOKENS} (the interpreter cannot read past an array's end).")
+    return lowering
 
 
 def fused_kv_norm_rope_into_cache(

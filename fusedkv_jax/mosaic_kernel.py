@@ -41,7 +41,9 @@ from interop.spec import FusedKVConfig
 # The WGMMA register layout tiles rows by 64: one program's tokens.
 BLOCK_TOKENS = 64
 _MAX_BOX = 256  # the longest side of one TMA copy
+_SHARED_BYTES = 200 * 1024  # of the H100/H200's 227 KiB per block, with room for the rest
 _KV_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+GRID_NAMES = ("block", "layer", "head")
 
 
 def supports(config: FusedKVConfig, kv_dtype) -> bool:
@@ -50,7 +52,9 @@ def supports(config: FusedKVConfig, kv_dtype) -> bool:
     if config.rope_style != "neox" or dtype not in [jnp.dtype(d) for d in _KV_DTYPES]:
         return False
     half, tail = config.rotary_dim // 2, config.head_dim - config.rotary_dim
-    return (config.head_dim <= _MAX_BOX
+    # K, V and the K parts out in kv's dtype, the cos/sin rows in fp32.
+    shared_bytes = BLOCK_TOKENS * (3 * config.head_dim * dtype.itemsize + 4 * config.rotary_dim)
+    return (config.head_dim <= _MAX_BOX and shared_bytes <= _SHARED_BYTES
             and all(width % 8 == 0 and width * dtype.itemsize % 16 == 0
                     for width in (half, tail, config.head_dim // 2) if width))
 
@@ -66,30 +70,19 @@ def _tile(shape, dtype, *, tiled: bool, start: int = 0):
         plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
 
 
-def _fused_kv_kernel(
-    kv_ref, weight_ref, eps_ref, cos_sin_ref, positions_ref, *refs,
-    scratch: dict, grid_names, head_dim: int, rotary_dim: int, tokens_per_block: int,
-    tiled: bool, interpret: bool,
-):
-    """K and V of one head for one layer and ``BLOCK_TOKENS`` tokens.
+def _fused_kv_kernel(*refs, head_dim: int, rotary_dim: int, tokens_per_block: int, tiled: bool,
+                     interpret: bool, **scratch):
+    """K and V of one head for one layer and ``BLOCK_TOKENS`` tokens: the grid point
+    ``(block, layer, head)`` of ``plgpu.kernel``.
 
-    Refs (all in global memory): ``kv[total_ctx, n_layers, 2, heads, head_dim]``,
+    Refs (in global memory): ``kv[total_ctx, n_layers, 2, heads, head_dim]``,
     ``weight[n_layers, head_dim]`` fp32, ``eps[n_layers]``, ``cos_sin[max_pos,
-    rotary_dim]``, ``positions[total_ctx]`` int32, the aliased destinations if given
-    (unread), ``k_out, v_out[n_layers, total_ctx, heads, head_dim]``. ``scratch`` holds
-    the types of the shared-memory tiles and barriers, allocated here (interpret mode
-    allocates barriers only in a scope). ``grid_names``: the grid's axis names under
-    ``plgpu.kernel``, None under ``pallas_call``.
+    rotary_dim]``, ``positions[total_ctx]`` int32, ``k_out, v_out[n_layers, total_ctx,
+    heads, head_dim]``; then the shared-memory tiles and barriers, by name.
     """
-    if grid_names is None:
-        program = tuple(pl.program_id(axis) for axis in range(3))
-    else:
-        program = tuple(jax.lax.axis_index(name) for name in grid_names)
-    pl.run_scoped(functools.partial(
-        _fused_kv_block, kv_ref, weight_ref, eps_ref, cos_sin_ref, positions_ref, *refs[-2:],
-        program=program,
-        head_dim=head_dim, rotary_dim=rotary_dim, tokens_per_block=tokens_per_block,
-        tiled=tiled, interpret=interpret), **scratch)
+    _fused_kv_block(*refs, program=tuple(jax.lax.axis_index(name) for name in GRID_NAMES),
+                    head_dim=head_dim, rotary_dim=rotary_dim, tokens_per_block=tokens_per_block,
+                    tiled=tiled, interpret=interpret, **scratch)
 
 
 def _fused_kv_block(
@@ -164,14 +157,16 @@ def _load(ref, layout, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, *,
-           config: FusedKVConfig, interpret):
-    """The ``pallas_call``: ``(k_out, v_out)``, each ``[n_layers, total_ctx, heads, head_dim]``.
+def launch(kv, k_norm_weight, eps, cos_sin_cache, positions, *, config: FusedKVConfig, interpret):
+    """The ``plgpu.kernel``: ``(k_out, v_out)``, each ``[n_layers, total_ctx, heads, head_dim]``.
 
     ``kv`` dense ``[total_ctx, n_layers, 2*kv_size]``; ``positions`` int32 or int64 (an
-    int64 position is narrowed with out-of-range values kept out of range);
-    ``k_dest``/``v_dest`` (either may be None) are aliased to the outputs.
-    ``interpret``: run under Mosaic GPU's interpret mode (CPU).
+    int64 position is narrowed with out-of-range values kept out of range).
+    ``interpret``: run under Mosaic GPU's interpret mode (CPU). The outputs are fresh:
+    ``plgpu.kernel`` declares no input/output aliasing (jax 0.11.2 has dropped
+    ``pallas_call`` for Mosaic GPU, whose ``input_output_aliases`` the Triton lowering
+    uses), so a destination buffer is written in place only where XLA places the output
+    in a donated buffer of the same shape.
     """
     total_ctx, n_layers, _ = kv.shape
     heads, dim, rotary_dim = config.num_kv_heads, config.head_dim, config.rotary_dim
@@ -180,15 +175,6 @@ def launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, *,
     if positions.dtype != jnp.int32:
         in_range = (positions >= 0) & (positions < max_position)
         positions = jnp.where(in_range, positions, -1).astype(jnp.int32)
-    shape = config.output_shape(n_layers, total_ctx)
-    inputs = [kv.reshape(total_ctx, n_layers, 2, heads, dim),
-              k_norm_weight.astype(jnp.float32), eps.astype(jnp.float32),
-              cos_sin_cache.astype(jnp.float32), positions]
-    aliases = {}
-    for output_index, destination in enumerate((k_dest, v_dest)):
-        if destination is not None:
-            aliases[len(inputs)] = output_index
-            inputs.append(destination)
     widths = [half, half] + ([dim - rotary_dim] if rotary_dim < dim else [])
     starts = [0, half, rotary_dim]
     tokens_per_block = min(BLOCK_TOKENS, total_ctx)
@@ -210,30 +196,20 @@ def launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, *,
         rows_loaded=plgpu.Barrier(num_arrivals=tokens_per_block),
     )
     kernel = functools.partial(
-        _fused_kv_kernel, scratch=scratch, head_dim=dim, rotary_dim=rotary_dim,
+        _fused_kv_kernel, head_dim=dim, rotary_dim=rotary_dim,
         tokens_per_block=tokens_per_block, tiled=tiled, interpret=bool(interpret))
-    out_shape = [jax.ShapeDtypeStruct(shape, kv.dtype)] * 2
-    grid = (pl.cdiv(total_ctx, BLOCK_TOKENS), n_layers, heads)
-    if interpret:
-        # jax 0.10.2's GPU interpret mode keeps only the first program's writes of a
-        # gridded pallas_call; plgpu.kernel's grid runs whole. It has no aliasing, which
-        # changes no value (every element is written).
-        names = ("block", "layer", "head")
-        return plgpu.kernel(
-            functools.partial(kernel, grid_names=names), out_type=out_shape, grid=grid,
-            grid_names=names, interpret=_interpret_params(),
-        )(*inputs[:5])
-    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
-    return pl.pallas_call(
-        functools.partial(kernel, grid_names=None),
-        out_shape=out_shape,
-        grid=grid,
-        in_specs=[gmem] * len(inputs),
-        out_specs=[gmem, gmem],
-        input_output_aliases=aliases,
+    out_type = [jax.ShapeDtypeStruct(config.output_shape(n_layers, total_ctx), kv.dtype)] * 2
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(pl.cdiv(total_ctx, BLOCK_TOKENS), n_layers, heads),
+        grid_names=GRID_NAMES,
         compiler_params=plgpu.CompilerParams(),
-        name="fused_kv_norm_rope_mosaic",
-    )(*inputs)
+        interpret=_interpret_params() if interpret else None,
+        kernel_name="fused_kv_norm_rope_mosaic",
+    )(kv.reshape(total_ctx, n_layers, 2, heads, dim), k_norm_weight.astype(jnp.float32),
+      eps.astype(jnp.float32), cos_sin_cache.astype(jnp.float32), positions)
 
 
 def _interpret_params():
