@@ -8,22 +8,30 @@ copied bit for bit. :func:`fused_kv_norm_rope` writes ``[n_layers, total_ctx, he
 head_dim]`` outputs; :func:`fused_kv_norm_rope_into_cache` writes the same values into
 slot ``cache_loc[t]`` of paged caches (quantizing to float8_e4m3fn where the cache is).
 
-Lowering: the Pallas **Triton** lowering (``jax.experimental.pallas.triton``), chosen by
-passing its ``CompilerParams``. The kernel needs two things per token that only it
-offers among the Pallas GPU lowerings on Hopper: a gather (the cos/sin row of a
-data-dependent position, and the RoPE partner of each element, are array-indexed
-loads) and masked loads and stores (``head_dim`` 96 or 192 in power-of-two tiles, the
-ragged last token block, padding slots of a cache). Mosaic GPU, the default GPU
-lowering since jax 0.9, has dynamic-start slices but no array-index gathers on
-Hopper; gathering the cos/sin rows with XLA before the kernel (``jnp.take``) would
-make it lowering-agnostic but costs a second launch and a round trip of
-``total_ctx * rotary_dim * 4`` bytes, which the 1.5 us bar at 16 tokens cannot
-afford. The Triton lowering is deprecated since jax 0.11.0 (it warns once per
-lowering, a ``DeprecationWarning``) but is present and runs on the H200 with
-jax 0.11.2. What is Triton-specific here is confined to :func:`_load`, :func:`_store`
-and the ``compiler_params`` of :func:`_launch`: a Mosaic GPU variant would replace
-the three and the gathers inside :func:`_fused_kv_kernel`. Without a GPU the same
-kernel runs in Pallas interpret mode (``interpret=True``).
+Lowerings (``lowering=``, None for :func:`default_lowering`): the Pallas **Triton**
+lowering (``jax.experimental.pallas.triton``, chosen by passing its ``CompilerParams``)
+serves every configuration by default, on the GPU and in interpret mode. It offers
+what this kernel uses per token: gathers (the cos/sin row of a data-dependent
+position, the RoPE partner of each element) and masked loads and stores (``head_dim``
+96 or 192 in power-of-two tiles, the ragged last token block, padding slots of a
+cache). It is deprecated since jax 0.11.0 (a ``DeprecationWarning`` once per
+lowering) but present and running on the H200 with jax 0.11.2; what is
+Triton-specific here is :func:`_load`, :func:`_store` and :func:`_launch`'s
+``compiler_params``.
+
+``lowering="mosaic_gpu"`` runs :mod:`fusedkv_jax.mosaic_kernel` (Mosaic GPU has no
+gather on Hopper: TMA copies with scalar starts fetch one cos/sin row per token). It
+takes ``neox`` with rotary halves and tail in multiples of 8 columns, and ``total_ctx``
+at most 8 or a multiple of 8 (a multiple of 64 in interpret mode); other calls with it
+are refused. It is not the default: its outputs are fresh arrays, never a caller's
+``k_out``/``v_out`` written in place (jax 0.11.2 lowers Mosaic GPU only through
+``plgpu.kernel``, which has no aliasing); it passes the reference checks on the H200,
+but its only in-jit timing (2026-12-01) was void (XLA dropped the chained calls whose
+outputs nothing read); if one call per jit survived, one call took 1.2-2.3x the
+Triton kernel's time at 4096-32768 tokens. The paged-cache entry point stays on
+Triton: its slots scatter rows to data-dependent places, which a Mosaic GPU kernel
+would do with one copy per token, and the case for moving it rests on the same
+unmeasured kernel.
 
 Tiling: one program per (block of ``block_tokens`` tokens, layer, block of
 ``block_heads`` heads) works on a ``[block_tokens, block_heads, head_dim]`` tile,
@@ -344,21 +352,16 @@ LOWERINGS = ("triton", "mosaic_gpu")
 def default_lowering(config: FusedKVConfig, kv_dtype, *, interpret: bool = False) -> str:
     """The lowering :func:`fused_kv_norm_rope` takes for ``config`` when none is named.
 
-    Mosaic GPU wherever :func:`fusedkv_jax.mosaic_kernel.supports` the configuration
-    and a GPU runs it; the Triton lowering for the rest (``gptj``, rotary halves or
-    tails not a multiple of 8 columns and 16 bytes) and in interpret mode, where
-    jax 0.10.2's Mosaic GPU interpreter cannot read past the end of an array (the
-    ragged last token block).
+    The Triton lowering, for every configuration (module docstring, "Lowerings").
     """
-    if not interpret and mosaic_kernel.supports(config, kv_dtype):
-        return "mosaic_gpu"
+    del config, kv_dtype, interpret  # one answer today; the signature is the question
     return "triton"
 
 
 def _lowering(lowering, call, kv_dtype, interpret: bool, *, tuned: bool) -> str:
     """The lowering named (checked against what it can run), or the default."""
     if lowering is None:
-        return "triton" if tuned else default_lowering(call.config, kv_dtype, interpret=interpret)
+        return default_lowering(call.config, kv_dtype, interpret=interpret)
     if lowering not in LOWERINGS:
         raise ValueError(f"Invalid lowering for fused KV materialization: got {lowering!r}, "
                          f"expected one of {LOWERINGS} or None.")
@@ -375,11 +378,11 @@ def _lowering(lowering, call, kv_dtype, interpret: bool, *, tuned: bool) -> str:
             raise ValueError("Invalid tile override for fused KV materialization: got "
                              "block_tokens/block_heads/num_warps with lowering='mosaic_gpu', "
                              "expected them only with the Triton lowering.")
-        if interpret and call.total_ctx % mosaic_kernel.BLOCK_TOKENS:
-            raise ValueError(
-                "Invalid total_ctx for fused KV materialization in Mosaic GPU interpret "
-                f"mode: got {call.total_ctx}, expected a multiple of "
-                f"{mosaic_kernel.BLOCK_TOKENS} (the interpreter cannot read past an array's end).")
+        if not mosaic_kernel.supports_context(call.total_ctx, interpret=interpret):
+            expected = (f"a multiple of {mosaic_kernel.BLOCK_TOKENS} in interpret mode"
+                        if interpret else "at most 8 or a multiple of 8")
+            raise ValueError("Invalid total_ctx for fused KV materialization with "
+                             f"lowering='mosaic_gpu': got {call.total_ctx}, expected {expected}.")
     return lowering
 
 

@@ -14,15 +14,27 @@ outside the cache, and makes its row's ``eps`` NaN, which turns the whole K row 
 NaN). V goes from shared memory straight back out; K is computed in registers in the
 WGMMA layout (64 rows, one row per token, so the RMS is a row reduction), its
 ``neox`` halves and unrotated tail are static column slices of the registers, and
-each part is copied out from its own shared-memory tile. Tiles are swizzled, so the
-copies out are tiled TMA copies that clip the rows past ``total_ctx`` of the last
-block (the copies in fill them with zeros).
+each part is copied out from its own shared-memory tile. With ``total_ctx`` a multiple
+of 8 the tiles are swizzled and every copy is a tiled TMA copy, which fills the rows
+past ``total_ctx`` of the last block with zeros on the way in and clips them on the way
+out; otherwise the tiles are plain (their register loads and stores have bank
+conflicts) and V moves in two column halves (see :func:`_fused_kv_block`).
 
 What it serves: ``neox`` with ``rotary_dim / 2`` and ``head_dim - rotary_dim`` each a
 multiple of 8 and a multiple of 16 bytes, ``kv`` in bf16/fp16/fp32, ``head_dim`` up to
-256 (a TMA box side). :func:`supports` says so for a configuration; the rest (``gptj``,
-whose interleaved pairs are no column slice of the WGMMA layout) is the Triton
-lowering's.
+256 (a TMA box side) and shared memory permitting (:func:`supports`); ``total_ctx`` at
+most 8 or a multiple of 8 (:func:`supports_context`). The rest (``gptj``, whose
+interleaved pairs are no column slice of the WGMMA layout) is the Triton lowering's.
+
+jax versions (read on the H200, jax 0.11.2, 2026-12-01): ``pl.pallas_call`` no longer
+lowers to Mosaic GPU there (its lowering rule is gone: a bare ``AssertionError``), so
+the kernel is a ``plgpu.kernel``, which has no ``input_output_aliases``: the outputs
+are fresh arrays, and a caller's ``k_out``/``v_out`` are not written in place. That
+version also lays out plain shared-memory tiles itself (tiled by 8 rows), which
+refuses a context longer than 8 tokens and not a multiple of 8. On the CPU, jax
+0.10.2's Mosaic GPU interpreter runs ``plgpu.kernel`` grids (its gridded
+``pallas_call`` keeps only the first program's writes) but cannot copy past an
+array's end, so there ``total_ctx`` must be a multiple of ``BLOCK_TOKENS``.
 """
 
 from __future__ import annotations
@@ -57,6 +69,13 @@ def supports(config: FusedKVConfig, kv_dtype) -> bool:
     return (config.head_dim <= _MAX_BOX and shared_bytes <= _SHARED_BYTES
             and all(width % 8 == 0 and width * dtype.itemsize % 16 == 0
                     for width in (half, tail, config.head_dim // 2) if width))
+
+
+def supports_context(total_ctx: int, *, interpret: bool) -> bool:
+    """Whether this kernel takes a context of ``total_ctx`` tokens (module docstring)."""
+    if interpret:
+        return total_ctx % BLOCK_TOKENS == 0
+    return total_ctx <= 8 or total_ctx % 8 == 0
 
 
 def _tile(shape, dtype, *, tiled: bool, start: int = 0):
@@ -162,11 +181,8 @@ def launch(kv, k_norm_weight, eps, cos_sin_cache, positions, *, config: FusedKVC
 
     ``kv`` dense ``[total_ctx, n_layers, 2*kv_size]``; ``positions`` int32 or int64 (an
     int64 position is narrowed with out-of-range values kept out of range).
-    ``interpret``: run under Mosaic GPU's interpret mode (CPU). The outputs are fresh:
-    ``plgpu.kernel`` declares no input/output aliasing (jax 0.11.2 has dropped
-    ``pallas_call`` for Mosaic GPU, whose ``input_output_aliases`` the Triton lowering
-    uses), so a destination buffer is written in place only where XLA places the output
-    in a donated buffer of the same shape.
+    ``interpret``: run under Mosaic GPU's interpret mode (CPU). The outputs are fresh
+    arrays (``plgpu.kernel`` has no input/output aliasing; module docstring).
     """
     total_ctx, n_layers, _ = kv.shape
     heads, dim, rotary_dim = config.num_kv_heads, config.head_dim, config.rotary_dim
