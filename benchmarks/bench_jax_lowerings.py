@@ -8,11 +8,14 @@ fresh random inputs at odd and common shapes, outputs poisoned (given as NaN-fil
 ``k_out``/``v_out``), out-of-range positions included; a donated pair of outputs must
 come back in the same buffers.
 
-Times, the way a jit user runs the op: one jit holds ``calls`` calls chained through
-their outputs (each call's ``k_out``/``v_out`` are the last call's, donated, so every
-call writes in place and waits for the one before), several such jits are queued
-before one wait, and a call's time is the wall time over all calls (median of
-repeats). Decode sizes (16, 256 tokens) chain 64 calls per jit. The ceilings beside
+Times, the way a jit user runs the op: one jit holds ``calls`` calls (64 at decode sizes,
+16 and 256 tokens; 8 above), several such jits are queued before one wait, and a
+call's time is the wall time over all calls (median of repeats). Each lowering is
+timed with every call's outputs returned (each call on its own positions, so XLA can
+neither merge nor drop calls); the Triton lowering also chained through its outputs
+(each call's ``k_out``/``v_out`` are the last call's, donated, so every call writes in
+place and waits for the one before), which a Mosaic GPU chain cannot be: its outputs
+alias nothing, and XLA drops the calls whose outputs nothing reads. The ceilings beside
 each row: a same-bytes copy chained the same way in one jit (``kv`` negated, read and
 written once per step, each step behind an optimization barrier so XLA cannot fuse
 the chain), and torch's device copy of the same bytes (``do_bench`` median; XLA's
@@ -117,28 +120,54 @@ def _wall_per_call(step, state, calls: int, jits: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _returning(call, calls: int):
+    """``calls`` calls in one jit, each on its own positions (no two alike for XLA to merge),
+    every output returned (none for XLA to drop)."""
+    def run(kv, weight, eps, cos_sin, positions):
+        return [call(kv, weight, eps, cos_sin, p) for p in positions]
+    return jax.jit(run)
+
+
+def _wall_per_returning_call(step, args, calls: int, jits: int, repeats: int) -> float:
+    jax.block_until_ready(step(*args))  # compile and warm up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(jits):
+            outputs = step(*args)
+        jax.block_until_ready(outputs)
+        times.append((time.perf_counter() - start) / (jits * calls))
+    return statistics.median(times)
+
+
 def measure(n_layers, config, total_ctx) -> dict:
+    """Seconds per call: each lowering with every output returned, the Triton lowering also
+    chained through donated outputs (Mosaic GPU's outputs alias nothing, so a chain of its
+    calls leaves all but the last unread, and XLA drops them), and the copies."""
     host = random_inputs(config, n_layers=n_layers, total_ctx=total_ctx, max_position=32768,
                          seed=total_ctx).arrays()
     inputs = [jax.device_put(a) for a in host]
     shape = config.output_shape(n_layers, total_ctx)
     calls = 64 if total_ctx <= 256 else 8
     jits, repeats = (5, 5) if total_ctx <= 4096 else (3, 3)
+    rng = np.random.default_rng(total_ctx)
+    positions = [jax.device_put(rng.permutation(host[4]).astype(np.int32)) for _ in range(calls)]
+    kv, rest = inputs[0], inputs[1:]
     times = {}
     for lowering in LOWERINGS:
         call = functools.partial(fused_kv_norm_rope, **_static(config), lowering=lowering)
-        step = _chained(call, calls)
-        kv, rest = inputs[0], inputs[1:]
-
-        def run(k, v, step=step):
-            return step(kv, *rest, k, v)
         try:
-            state = (jnp.full(shape, jnp.nan, kv.dtype), jnp.full(shape, jnp.nan, kv.dtype))
-            times[lowering] = _wall_per_call(run, state, calls, jits, repeats)
+            times[lowering] = _wall_per_returning_call(
+                _returning(call, calls), (kv, *rest[:3], positions), calls, jits, repeats)
         except Exception as error:  # one failing lowering must not hide the others
             times[lowering] = f"{type(error).__name__}: {str(error)[:120]}"
+    call = functools.partial(fused_kv_norm_rope, **_static(config), lowering="triton")
+    chained = _chained(call, calls)
+    state = (jnp.full(shape, jnp.nan, kv.dtype), jnp.full(shape, jnp.nan, kv.dtype))
+    times["triton chained"] = _wall_per_call(lambda k, v: chained(kv, *rest, k, v), state, calls,
+                                             jits, repeats)
     copy = _copy_chain(calls)
-    times["copy"] = _wall_per_call(lambda x: (copy(x),), (jnp.array(inputs[0]),), calls, jits, repeats)
+    times["copy"] = _wall_per_call(lambda x: (copy(x),), (jnp.array(kv),), calls, jits, repeats)
     times["bytes"] = 2 * host[0].nbytes
     try:
         times["memcpy"] = times["bytes"] / copy_bytes_per_second(host[0].nbytes)
@@ -181,16 +210,17 @@ def main(argv=None) -> int:
             print(name, total_ctx, {k: (f"{v * 1e6:.2f}us" if isinstance(v, float) else v)
                                      for k, v in times.items() if k != "bytes"}, flush=True)
     print("\n% copy: of the faster of the in-jit copy chain and torch's same-bytes device copy")
-    print("shape   tokens | mosaic_gpu us  (% copy) | triton us  (% copy) | jit copy us  TB/s | memcpy us")
+    columns = (*LOWERINGS, "triton chained")
+    print("shape   tokens | " + " | ".join(f"{c + ' us (% copy)':>26}" for c in columns)
+          + " | jit copy us  TB/s | memcpy us")
     for name, total_ctx, times in rows:
         memcpy = times["memcpy"] if isinstance(times["memcpy"], float) else float("inf")
         copy = min(times["copy"], memcpy)
-        cells = []
-        for lowering in LOWERINGS:
-            t = times[lowering]
-            cells.append(f"{t * 1e6:9.2f} ({copy / t:6.1%})" if isinstance(t, float) else f"{'error':>18}")
-        print(f"{name:6} {total_ctx:7} | {cells[0]:>21} | {cells[1]:>18} | {times['copy'] * 1e6:11.2f} "
-              f"{times['bytes'] / times['copy'] / 1e12:5.2f} | {memcpy * 1e6:9.2f}")
+        cells = [f"{times[c] * 1e6:16.2f} ({copy / times[c]:6.1%})" if isinstance(times[c], float)
+                 else f"{'error':>26}" for c in columns]
+        print(f"{name:6} {total_ctx:7} | " + " | ".join(f"{c:>26}" for c in cells)
+              + f" | {times['copy'] * 1e6:11.2f} {times['bytes'] / times['copy'] / 1e12:5.2f}"
+              f" | {memcpy * 1e6:9.2f}")
     return int(failures > 0)
 
 
