@@ -8,22 +8,30 @@ copied bit for bit. :func:`fused_kv_norm_rope` writes ``[n_layers, total_ctx, he
 head_dim]`` outputs; :func:`fused_kv_norm_rope_into_cache` writes the same values into
 slot ``cache_loc[t]`` of paged caches (quantizing to float8_e4m3fn where the cache is).
 
-Lowering: the Pallas **Triton** lowering (``jax.experimental.pallas.triton``), chosen by
-passing its ``CompilerParams``. The kernel needs two things per token that only it
-offers among the Pallas GPU lowerings on Hopper: a gather (the cos/sin row of a
-data-dependent position, and the RoPE partner of each element, are array-indexed
-loads) and masked loads and stores (``head_dim`` 96 or 192 in power-of-two tiles, the
-ragged last token block, padding slots of a cache). Mosaic GPU, the default GPU
-lowering since jax 0.9, has dynamic-start slices but no array-index gathers on
-Hopper; gathering the cos/sin rows with XLA before the kernel (``jnp.take``) would
-make it lowering-agnostic but costs a second launch and a round trip of
-``total_ctx * rotary_dim * 4`` bytes, which the 1.5 us bar at 16 tokens cannot
-afford. The Triton lowering is deprecated since jax 0.11.0 (it warns once per
-lowering, a ``DeprecationWarning``) but is present and runs on the H200 with
-jax 0.11.2. What is Triton-specific here is confined to :func:`_load`, :func:`_store`
-and the ``compiler_params`` of :func:`_launch`: a Mosaic GPU variant would replace
-the three and the gathers inside :func:`_fused_kv_kernel`. Without a GPU the same
-kernel runs in Pallas interpret mode (``interpret=True``).
+Lowerings (``lowering=``, None for :func:`default_lowering`): the Pallas **Triton**
+lowering (``jax.experimental.pallas.triton``, chosen by passing its ``CompilerParams``)
+serves every configuration by default, on the GPU and in interpret mode. It offers
+what this kernel uses per token: gathers (the cos/sin row of a data-dependent
+position, the RoPE partner of each element) and masked loads and stores (``head_dim``
+96 or 192 in power-of-two tiles, the ragged last token block, padding slots of a
+cache). It is deprecated since jax 0.11.0 (a ``DeprecationWarning`` once per
+lowering) but present and running on the H200 with jax 0.11.2; what is
+Triton-specific here is :func:`_load`, :func:`_store` and :func:`_launch`'s
+``compiler_params``.
+
+``lowering="mosaic_gpu"`` runs :mod:`fusedkv_jax.mosaic_kernel` (Mosaic GPU has no
+gather on Hopper: TMA copies with scalar starts fetch one cos/sin row per token). It
+takes ``neox`` with rotary halves and tail in multiples of 8 columns, and ``total_ctx``
+at most 8 or a multiple of 8 (a multiple of 64 in interpret mode); other calls with it
+are refused. It is not the default: its outputs are fresh arrays, never a caller's
+``k_out``/``v_out`` written in place (jax 0.11.2 lowers Mosaic GPU only through
+``plgpu.kernel``, which has no aliasing); it passes the reference checks on the H200,
+but its only in-jit timing (2026-12-01) was void (XLA dropped the chained calls whose
+outputs nothing read); if one call per jit survived, one call took 1.2-2.3x the
+Triton kernel's time at 4096-32768 tokens. The paged-cache entry point stays on
+Triton: its slots scatter rows to data-dependent places, which a Mosaic GPU kernel
+would do with one copy per token, and the case for moving it rests on the same
+unmeasured kernel.
 
 Tiling: one program per (block of ``block_tokens`` tokens, layer, block of
 ``block_heads`` heads) works on a ``[block_tokens, block_heads, head_dim]`` tile,
@@ -57,6 +65,8 @@ from interop.spec import (
     validate_cache_call,
     validate_call,
 )
+
+from fusedkv_jax import mosaic_kernel
 
 # A tile of about this many K elements per program, and this many per thread, keep the
 # K tile, its RoPE partner, V, cos and sin in registers: 64-80 per thread, no spills, by
@@ -333,6 +343,7 @@ def fused_kv_norm_rope(
     block_heads: int | None = None,
     num_warps: int | None = None,
     interpret: bool | None = None,
+    lowering: str | None = None,
 ):
     """RMSNorm + RoPE on K, V passed through, for all layers in one kernel.
 
@@ -363,8 +374,11 @@ def fused_kv_norm_rope(
         results are written in place (without donation XLA copies them first). One
         array given as both is refused, as are NumPy outputs the other backends would
         refuse (read-only, zero strides, memory shared with each other or ``kv``).
-      block_tokens, block_heads, num_warps: tile overrides (powers of two) for tuning.
+      block_tokens, block_heads, num_warps: tile overrides (powers of two) for tuning
+        the Triton lowering.
       interpret: run in Pallas interpret mode; None means "when ``kv`` is on the CPU".
+      lowering: ``"triton"``, ``"mosaic_gpu"``, or None for the default of the
+        configuration (:func:`default_lowering`).
 
     Returns:
       ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim].
@@ -385,15 +399,60 @@ def fused_kv_norm_rope(
     interpret = _on_cpu(kv) if interpret is None else interpret
     tile = _tile(call.total_ctx, call.n_layers, call.config.num_kv_heads, call.config.head_dim,
                  block_tokens, block_heads, num_warps, interpret)
+    lowering = _lowering(lowering, call, kv.dtype, interpret,
+                         tuned=(block_tokens, block_heads, num_warps) != (None, None, None))
     if call.total_ctx == 0:
         empty = jnp.empty(call.output_shape, kv.dtype)
         return (empty if k_out is None else k_out), (empty if v_out is None else v_out)
     positions = narrow_for_jax(positions)
+    if lowering == "mosaic_gpu":
+        return mosaic_kernel.launch(kv, k_norm_weight, eps, cos_sin_cache, positions,
+                                    config=call.config, interpret=interpret)
     return _launch(
         kv, k_norm_weight, eps, cos_sin_cache, positions, None, k_out, v_out, None, None,
         config=call.config, block_tokens=tile[0], block_heads=tile[1], num_warps=tile[2],
         interpret=interpret,
     )
+
+
+LOWERINGS = ("triton", "mosaic_gpu")
+
+
+def default_lowering(config: FusedKVConfig, kv_dtype, *, interpret: bool = False) -> str:
+    """The lowering :func:`fused_kv_norm_rope` takes for ``config`` when none is named.
+
+    The Triton lowering, for every configuration (module docstring, "Lowerings").
+    """
+    del config, kv_dtype, interpret  # one answer today; the signature is the question
+    return "triton"
+
+
+def _lowering(lowering, call, kv_dtype, interpret: bool, *, tuned: bool) -> str:
+    """The lowering named (checked against what it can run), or the default."""
+    if lowering is None:
+        return default_lowering(call.config, kv_dtype, interpret=interpret)
+    if lowering not in LOWERINGS:
+        raise ValueError(f"Invalid lowering for fused KV materialization: got {lowering!r}, "
+                         f"expected one of {LOWERINGS} or None.")
+    if lowering == "mosaic_gpu":
+        config = call.config
+        if not mosaic_kernel.supports(config, kv_dtype):
+            raise ValueError(
+                "Invalid lowering for fused KV materialization: got 'mosaic_gpu' for "
+                f"rope_style={config.rope_style!r}, head_dim={config.head_dim}, "
+                f"rotary_dim={config.rotary_dim}, dtype={jnp.dtype(kv_dtype).name}, expected "
+                "'triton' (Mosaic GPU takes neox with rotary halves and tail in multiples of "
+                "8 columns and 16 bytes, head_dim <= 256).")
+        if tuned:
+            raise ValueError("Invalid tile override for fused KV materialization: got "
+                             "block_tokens/block_heads/num_warps with lowering='mosaic_gpu', "
+                             "expected them only with the Triton lowering.")
+        if not mosaic_kernel.supports_context(call.total_ctx, interpret=interpret):
+            expected = (f"a multiple of {mosaic_kernel.BLOCK_TOKENS} in interpret mode"
+                        if interpret else "at most 8 or a multiple of 8")
+            raise ValueError("Invalid total_ctx for fused KV materialization with "
+                             f"lowering='mosaic_gpu': got {call.total_ctx}, expected {expected}.")
+    return lowering
 
 
 def fused_kv_norm_rope_into_cache(

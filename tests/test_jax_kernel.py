@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from fusedkv_jax import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
+from fusedkv_jax.kernel import default_lowering
 from interop.arrays import numpy_dtype
 from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
@@ -608,3 +609,114 @@ def test_gpu_tile_overrides_agree(block_tokens, block_heads, num_warps):
     k, v = fused_kv_norm_rope(*(jax.device_put(a) for a in host), **_static(DRAFT),
                               block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps)
     _assert_matches_reference(k, v, host, DRAFT)
+
+
+# The Mosaic GPU lowering (lowering="mosaic_gpu"): interpret mode on the CPU (jax 0.10.2's
+# Mosaic GPU interpreter copies whole 64-token blocks only), odd contexts on a GPU.
+
+MOSAIC_CASES = [  # config, n_layers, total_ctx, kv dtype, position dtype
+    (FusedKVConfig(2, 64, 64, "neox"), 2, 64, "bfloat16", "int32"),
+    (FusedKVConfig(1, 96, 32, "neox"), 1, 64, "float16", "int64"),
+    (FusedKVConfig(1, 32, 16, "neox"), 1, 128, "float32", "int32"),
+]
+
+
+@pytest.mark.parametrize("config, n_layers, total_ctx, dtype, position_dtype", MOSAIC_CASES,
+                         ids=lambda value: str(value) if not isinstance(value, FusedKVConfig) else
+                         f"h{value.num_kv_heads}d{value.head_dim}r{value.rotary_dim}")
+def test_mosaic_matches_reference(config, n_layers, total_ctx, dtype, position_dtype):
+    host = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, dtype=dtype,
+                   position_dtype=position_dtype, seed=30 + total_ctx)
+    k, v = fused_kv_norm_rope(*host, **_static(config), lowering="mosaic_gpu")
+    assert k.shape == v.shape == config.output_shape(n_layers, total_ctx)
+    assert k.dtype == v.dtype == host[0].dtype
+    _assert_matches_reference(k, v, host, config)
+
+
+def test_mosaic_out_of_range_positions_give_nan_rows_and_keep_v():
+    config = FusedKVConfig(1, 32, 32, "neox")
+    kv, weight, eps, cos_sin, _ = _inputs(config, n_layers=1, total_ctx=64, seed=31)
+    positions = np.arange(64, dtype=np.int64)
+    positions[[0, 5, 9, 63]] = [-1, 64, 2 ** 32 + 3, 2 ** 31 + 5]  # 2**32 + 3 wraps to 3 if narrowed carelessly
+    k, v = fused_kv_norm_rope(kv, weight, eps, cos_sin, positions, **_static(config), lowering="mosaic_gpu")
+    _assert_matches_reference(k, v, (kv, weight, eps, cos_sin, positions), config)
+    rows_nan = np.isnan(np.asarray(k, np.float32)).all(axis=(0, 2, 3))
+    assert rows_nan.nonzero()[0].tolist() == [0, 5, 9, 63]
+
+
+def test_mosaic_given_outputs_get_the_values():
+    # The Mosaic GPU outputs are fresh arrays (plgpu.kernel has no aliasing): the values
+    # returned are the contract, whatever was in the buffers given.
+    config = FusedKVConfig(1, 32, 32, "neox")
+    host = _inputs(config, n_layers=1, total_ctx=64, seed=32)
+    shape = config.output_shape(1, 64)
+    k, v = fused_kv_norm_rope(*host, **_static(config), lowering="mosaic_gpu",
+                              k_out=_poisoned(shape, jnp.bfloat16), v_out=_poisoned(shape, jnp.bfloat16))
+    _assert_matches_reference(k, v, host, config)
+
+
+def test_default_lowering_is_triton():
+    assert default_lowering(FusedKVConfig(8, 128, 128, "neox"), jnp.bfloat16) == "triton"
+
+
+BAD_LOWERINGS = [
+    (dict(lowering="mosaic"),
+     "Invalid lowering for fused KV materialization: got 'mosaic', expected one of "
+     "('triton', 'mosaic_gpu') or None."),
+    (dict(lowering="mosaic_gpu", rope_style="gptj"),
+     "Invalid lowering for fused KV materialization: got 'mosaic_gpu' for rope_style='gptj', "
+     "head_dim=16, rotary_dim=16, dtype=bfloat16, expected 'triton' (Mosaic GPU takes neox with "
+     "rotary halves and tail in multiples of 8 columns and 16 bytes, head_dim <= 256)."),
+    (dict(lowering="mosaic_gpu", block_tokens=4),
+     "Invalid tile override for fused KV materialization: got block_tokens/block_heads/num_warps "
+     "with lowering='mosaic_gpu', expected them only with the Triton lowering."),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_LOWERINGS, ids=lambda v: v[:60] if isinstance(v, str) else "")
+def test_bad_lowering_raises_its_message(overrides, message):
+    overrides = dict(overrides)
+    config = FusedKVConfig(2, 16, 16, overrides.pop("rope_style", "neox"))
+    host = _inputs(config, n_layers=2, total_ctx=64, seed=33)
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        fused_kv_norm_rope(*host, **_static(config), **overrides)
+
+
+@pytest.mark.skipif(ON_GPU, reason="interpret mode only")
+def test_mosaic_interpret_mode_refuses_a_partial_block():
+    config = FusedKVConfig(2, 16, 16, "neox")
+    host = _inputs(config, n_layers=1, total_ctx=65, seed=34)
+    message = ("Invalid total_ctx for fused KV materialization with lowering='mosaic_gpu': "
+               "got 65, expected a multiple of 64 in interpret mode.")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        fused_kv_norm_rope(*host, **_static(config), lowering="mosaic_gpu")
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU tests below compile the kernel for real")
+@pytest.mark.parametrize("config, total_ctx", [(FusedKVConfig(8, 128, 64, "neox"), 104),
+                                               (FusedKVConfig(2, 256, 256, "neox"), 4096),
+                                               (FusedKVConfig(1, 96, 96, "neox"), 7)])
+def test_mosaic_lowers_for_a_gpu(config, total_ctx):
+    # Mosaic GPU builds its IR in Python: layouts, slices and copies are checked without a
+    # GPU (by jax 0.10.2 here; the H200's 0.11.2 differs, see fusedkv_jax.mosaic_kernel).
+    args = (jax.ShapeDtypeStruct((total_ctx, 5, 2 * config.kv_size), jnp.bfloat16),
+            jax.ShapeDtypeStruct((5, config.head_dim), jnp.float32), jax.ShapeDtypeStruct((5,), jnp.float32),
+            jax.ShapeDtypeStruct((100, config.rotary_dim), jnp.float32),
+            jax.ShapeDtypeStruct((total_ctx,), jnp.int32))
+    call = functools.partial(fused_kv_norm_rope, **_static(config), interpret=False, lowering="mosaic_gpu")
+    assert "mosaic_gpu" in jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("config, n_layers, total_ctx, dtype", [
+    (DRAFT, 5, 1, "bfloat16"), (DRAFT, 5, 4096, "bfloat16"), (FusedKVConfig(8, 128, 64, "neox"), 8, 72, "bfloat16"),
+    (FusedKVConfig(1, 96, 96, "neox"), 1, 7, "bfloat16"), (FusedKVConfig(3, 128, 96, "neox"), 2, 200, "float16"),
+    (FusedKVConfig(2, 256, 256, "neox"), 5, 136, "float32"),
+])
+def test_gpu_mosaic_matches_reference(config, n_layers, total_ctx, dtype):
+    host = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, max_position=32768, dtype=dtype,
+                   seed=total_ctx)
+    host = host[:4] + (np.where(np.arange(total_ctx) % 7 == 3, -1, host[4]).astype(host[4].dtype),)
+    k, v = fused_kv_norm_rope(*(jax.device_put(a) for a in host), **_static(config), lowering="mosaic_gpu")
+    _assert_matches_reference(k, v, host, config)

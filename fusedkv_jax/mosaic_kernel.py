@@ -1,0 +1,238 @@
+"""The fused K/V kernel on the Pallas **Mosaic GPU** lowering (Hopper TMA copies, no gathers).
+
+The math is :mod:`fusedkv_jax.kernel`'s (DESIGN.md section 1); this module holds the
+kernel and its launcher only (validation stays in :mod:`interop.spec`, the public
+function and the choice of lowering in :mod:`fusedkv_jax.kernel`).
+
+One program per (block of 64 tokens, layer, head). Mosaic GPU on Hopper has no
+array-index gather, so everything the kernel reads arrives by TMA copies whose starts
+are scalars: the ``[64, head_dim]`` K and V tiles of the head (``kv`` viewed as
+``[total_ctx, n_layers, 2, heads, head_dim]``, a free reshape), the layer's norm
+weight, the block's positions, and then, per token, the cos/sin row at its position
+read back from shared memory (an out-of-range position copies row 0, never reads
+outside the cache, and makes its row's ``eps`` NaN, which turns the whole K row into
+NaN). V goes from shared memory straight back out; K is computed in registers in the
+WGMMA layout (64 rows, one row per token, so the RMS is a row reduction), its
+``neox`` halves and unrotated tail are static column slices of the registers, and
+each part is copied out from its own shared-memory tile. With ``total_ctx`` a multiple
+of 8 the tiles are swizzled and every copy is a tiled TMA copy, which fills the rows
+past ``total_ctx`` of the last block with zeros on the way in and clips them on the way
+out; otherwise the tiles are plain (their register loads and stores have bank
+conflicts) and V moves in two column halves (see :func:`_fused_kv_block`).
+
+What it serves: ``neox`` with ``rotary_dim / 2`` and ``head_dim - rotary_dim`` each a
+multiple of 8 and a multiple of 16 bytes, ``kv`` in bf16/fp16/fp32, ``head_dim`` up to
+256 (a TMA box side) and shared memory permitting (:func:`supports`); ``total_ctx`` at
+most 8 or a multiple of 8 (:func:`supports_context`). The rest (``gptj``, whose
+interleaved pairs are no column slice of the WGMMA layout) is the Triton lowering's.
+
+jax versions (read on the H200, jax 0.11.2, 2026-12-01): ``pl.pallas_call`` no longer
+lowers to Mosaic GPU there (its lowering rule is gone: a bare ``AssertionError``), so
+the kernel is a ``plgpu.kernel``, which has no ``input_output_aliases``: the outputs
+are fresh arrays, and a caller's ``k_out``/``v_out`` are not written in place. That
+version also lays out plain shared-memory tiles itself (tiled by 8 rows), which
+refuses a context longer than 8 tokens and not a multiple of 8. On the CPU, jax
+0.10.2's Mosaic GPU interpreter runs ``plgpu.kernel`` grids (its gridded
+``pallas_call`` keeps only the first program's writes) but cannot copy past an
+array's end, so there ``total_ctx`` must be a multiple of ``BLOCK_TOKENS``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from interop.reference import SMALLEST_NORMAL_FP32
+from interop.spec import FusedKVConfig
+
+# The WGMMA register layout tiles rows by 64: one program's tokens.
+BLOCK_TOKENS = 64
+_MAX_BOX = 256  # the longest side of one TMA copy
+_SHARED_BYTES = 200 * 1024  # of the H100/H200's 227 KiB per block, with room for the rest
+_KV_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+GRID_NAMES = ("block", "layer", "head")
+
+
+def supports(config: FusedKVConfig, kv_dtype) -> bool:
+    """Whether this kernel computes ``config`` for ``kv`` of ``kv_dtype``."""
+    dtype = jnp.dtype(kv_dtype)
+    if config.rope_style != "neox" or dtype not in [jnp.dtype(d) for d in _KV_DTYPES]:
+        return False
+    half, tail = config.rotary_dim // 2, config.head_dim - config.rotary_dim
+    # K, V and the K parts out in kv's dtype, the cos/sin rows in fp32.
+    shared_bytes = BLOCK_TOKENS * (3 * config.head_dim * dtype.itemsize + 4 * config.rotary_dim)
+    return (config.head_dim <= _MAX_BOX and shared_bytes <= _SHARED_BYTES
+            and all(width % 8 == 0 and width * dtype.itemsize % 16 == 0
+                    for width in (half, tail, config.head_dim // 2) if width))
+
+
+def supports_context(total_ctx: int, *, interpret: bool) -> bool:
+    """Whether this kernel takes a context of ``total_ctx`` tokens (module docstring)."""
+    if interpret:
+        return total_ctx % BLOCK_TOKENS == 0
+    return total_ctx <= 8 or total_ctx % 8 == 0
+
+
+def _tile(shape, dtype, *, tiled: bool, start: int = 0):
+    """A shared-memory tile; ``tiled``: swizzled for conflict-free WGMMA-layout loads and
+    stores, its copies (whose GMEM window starts at column ``start``) tiled by 8 rows."""
+    if not tiled:
+        return plgpu.SMEM(shape, dtype)
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(math.gcd(shape[-1], start or shape[-1]) * itemsize * 8)
+    return plgpu.SMEM(shape, dtype, transforms=(
+        plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
+
+
+def _fused_kv_kernel(*refs, head_dim: int, rotary_dim: int, tokens_per_block: int, tiled: bool,
+                     interpret: bool, **scratch):
+    """K and V of one head for one layer and ``BLOCK_TOKENS`` tokens: the grid point
+    ``(block, layer, head)`` of ``plgpu.kernel``.
+
+    Refs (in global memory): ``kv[total_ctx, n_layers, 2, heads, head_dim]``,
+    ``weight[n_layers, head_dim]`` fp32, ``eps[n_layers]``, ``cos_sin[max_pos,
+    rotary_dim]``, ``positions[total_ctx]`` int32, ``k_out, v_out[n_layers, total_ctx,
+    heads, head_dim]``; then the shared-memory tiles and barriers, by name.
+    """
+    _fused_kv_block(*refs, program=tuple(jax.lax.axis_index(name) for name in GRID_NAMES),
+                    head_dim=head_dim, rotary_dim=rotary_dim, tokens_per_block=tokens_per_block,
+                    tiled=tiled, interpret=interpret, **scratch)
+
+
+def _fused_kv_block(
+    kv_ref, weight_ref, eps_ref, cos_sin_ref, positions_ref, k_out_ref, v_out_ref, *,
+    k_tile, v_tiles, out_tiles, weight_tile, positions_tile, cos_sin_tile, eps_rows,
+    loaded, positions_loaded, rows_loaded, program,
+    head_dim: int, rotary_dim: int, tokens_per_block: int, tiled: bool, interpret: bool,
+):
+    # Untiled, V moves in two column halves: a copy out of whole rows of a one-head
+    # output is one contiguous run of memory, which Mosaic does as a bulk copy that
+    # clips only at the end of the array (running on into the next layer) rather
+    # than as a tensor copy that clips the rows past total_ctx.
+    v_columns = [slice(None)] if tiled else [pl.ds(0, head_dim // 2), pl.ds(head_dim // 2, head_dim // 2)]
+    max_position = cos_sin_ref.shape[0]
+    half = rotary_dim // 2
+    first = program[0] * BLOCK_TOKENS
+    layer, head = program[1:]
+    tokens = pl.ds(first, BLOCK_TOKENS)
+
+    plgpu.copy_gmem_to_smem(positions_ref.at[tokens], positions_tile, positions_loaded)
+    plgpu.copy_gmem_to_smem(kv_ref.at[tokens, layer, 0, head], k_tile, loaded)
+    for v_tile, columns in zip(v_tiles, v_columns):
+        plgpu.copy_gmem_to_smem(kv_ref.at[tokens, layer, 1, head, columns], v_tile, loaded)
+    plgpu.copy_gmem_to_smem(weight_ref.at[layer], weight_tile, loaded)
+    eps = eps_ref[layer]
+    plgpu.barrier_wait(positions_loaded)
+
+    @pl.loop(0, tokens_per_block)
+    def _fetch_row(token):
+        position = positions_tile[token]
+        in_range = (position >= 0) & (position < max_position)
+        # An out-of-range position reads row 0 (never outside the cache) and poisons
+        # its row through eps: rsqrt(x + NaN) is NaN, so every K element becomes NaN.
+        plgpu.copy_gmem_to_smem(cos_sin_ref.at[pl.ds(jnp.where(in_range, position, 0), 1)],
+                                cos_sin_tile.at[pl.ds(token, 1)], rows_loaded)
+        eps_rows[token] = jnp.where(in_range, eps, jnp.float32(jnp.nan))
+
+    plgpu.barrier_wait(loaded)
+    for v_tile, columns in zip(v_tiles, v_columns):
+        plgpu.copy_smem_to_gmem(v_tile, v_out_ref.at[layer, tokens, head, columns])
+
+    k = _load(k_tile, plgpu.Layout.WGMMA, interpret).astype(jnp.float32)
+    weight = _load(weight_tile, plgpu.Layout.WGMMA.reduce(0), interpret)
+    eps_row = _load(eps_rows, plgpu.Layout.WGMMA.reduce(1), interpret)
+    sum_squares = jnp.sum(k * k, axis=1)
+    mean_square_eps = sum_squares / head_dim + eps_row
+    # The edge values of interop.reference, as the Triton lowering decides them per head row.
+    inv_rms = jnp.where(mean_square_eps < SMALLEST_NORMAL_FP32, 0.0, jax.lax.rsqrt(mean_square_eps))
+    inv_rms = jnp.where(sum_squares < jnp.inf, inv_rms, jnp.nan)
+    normed = (k * jax.lax.broadcast_in_dim(inv_rms, k.shape, (0,))
+              * jax.lax.broadcast_in_dim(weight, k.shape, (1,)))
+    plgpu.barrier_wait(rows_loaded)
+    cos_sin = _load(cos_sin_tile, plgpu.Layout.WGMMA, interpret)
+    cos, sin = cos_sin[:, :half], cos_sin[:, half:]
+    first_half, second_half = normed[:, :half], normed[:, half:rotary_dim]
+    parts = [first_half * cos - second_half * sin, second_half * cos + first_half * sin]
+    if rotary_dim < head_dim:
+        parts.append(normed[:, rotary_dim:])
+    starts = (0, half, rotary_dim)
+    for tile, part in zip(out_tiles, parts):
+        tile[...] = part.astype(tile.dtype)
+    plgpu.commit_smem()
+    for tile, start in zip(out_tiles, starts):
+        plgpu.copy_smem_to_gmem(
+            tile, k_out_ref.at[layer, tokens, head, pl.ds(start, tile.shape[1])])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _load(ref, layout, interpret):
+    """``ref[...]`` in ``layout``. Untiled shared memory in a register layout has bank
+    conflicts, which Mosaic refuses unless told (``optimized=False``); the tiles read so
+    are small. Interpret mode has no layouts and no ``plgpu.load``."""
+    if interpret:
+        return ref[...]
+    return plgpu.load(ref, (), layout=layout, optimized=False)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def launch(kv, k_norm_weight, eps, cos_sin_cache, positions, *, config: FusedKVConfig, interpret):
+    """The ``plgpu.kernel``: ``(k_out, v_out)``, each ``[n_layers, total_ctx, heads, head_dim]``.
+
+    ``kv`` dense ``[total_ctx, n_layers, 2*kv_size]``; ``positions`` int32 or int64 (an
+    int64 position is narrowed with out-of-range values kept out of range).
+    ``interpret``: run under Mosaic GPU's interpret mode (CPU). The outputs are fresh
+    arrays (``plgpu.kernel`` has no input/output aliasing; module docstring).
+    """
+    total_ctx, n_layers, _ = kv.shape
+    heads, dim, rotary_dim = config.num_kv_heads, config.head_dim, config.rotary_dim
+    half = rotary_dim // 2
+    max_position = cos_sin_cache.shape[0]
+    if positions.dtype != jnp.int32:
+        in_range = (positions >= 0) & (positions < max_position)
+        positions = jnp.where(in_range, positions, -1).astype(jnp.int32)
+    widths = [half, half] + ([dim - rotary_dim] if rotary_dim < dim else [])
+    starts = [0, half, rotary_dim]
+    tokens_per_block = min(BLOCK_TOKENS, total_ctx)
+    # Tiled copies move whole tiles of 8 rows: a context of another length takes the
+    # untiled tiles (bank conflicts in their loads and stores).
+    tiled = total_ctx % 8 == 0
+    scratch = dict(
+        k_tile=_tile((BLOCK_TOKENS, dim), kv.dtype, tiled=tiled),
+        v_tiles=[_tile((BLOCK_TOKENS, dim), kv.dtype, tiled=True)] if tiled else
+                [_tile((BLOCK_TOKENS, dim // 2), kv.dtype, tiled=False)] * 2,
+        out_tiles=[_tile((BLOCK_TOKENS, width), kv.dtype, tiled=tiled, start=start)
+                   for width, start in zip(widths, starts)],
+        weight_tile=plgpu.SMEM((dim,), jnp.float32),
+        positions_tile=plgpu.SMEM((BLOCK_TOKENS,), jnp.int32),
+        cos_sin_tile=plgpu.SMEM((BLOCK_TOKENS, rotary_dim), jnp.float32),
+        eps_rows=plgpu.SMEM((BLOCK_TOKENS,), jnp.float32),
+        loaded=plgpu.Barrier(num_arrivals=3 if tiled else 4),
+        positions_loaded=plgpu.Barrier(num_arrivals=1),
+        rows_loaded=plgpu.Barrier(num_arrivals=tokens_per_block),
+    )
+    kernel = functools.partial(
+        _fused_kv_kernel, head_dim=dim, rotary_dim=rotary_dim,
+        tokens_per_block=tokens_per_block, tiled=tiled, interpret=bool(interpret))
+    out_type = [jax.ShapeDtypeStruct(config.output_shape(n_layers, total_ctx), kv.dtype)] * 2
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(pl.cdiv(total_ctx, BLOCK_TOKENS), n_layers, heads),
+        grid_names=GRID_NAMES,
+        compiler_params=plgpu.CompilerParams(),
+        interpret=_interpret_params() if interpret else None,
+        kernel_name="fused_kv_norm_rope_mosaic",
+    )(kv.reshape(total_ctx, n_layers, 2, heads, dim), k_norm_weight.astype(jnp.float32),
+      eps.astype(jnp.float32), cos_sin_cache.astype(jnp.float32), positions)
+
+
+def _interpret_params():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
