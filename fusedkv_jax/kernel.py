@@ -441,8 +441,8 @@ def _lowering(lowering, call, kv_dtype, interpret: bool, *, tuned: bool) -> str:
                 "Invalid lowering for fused KV materialization: got 'mosaic_gpu' for "
                 f"rope_style={config.rope_style!r}, head_dim={config.head_dim}, "
                 f"rotary_dim={config.rotary_dim}, dtype={jnp.dtype(kv_dtype).name}, expected "
-                "'triton' (Mosaic GPU takes neox with rotary halves and tail in multiples of "
-                "8 columns and 16 bytes, head_dim <= 256).")
+                "'triton' (Mosaic GPU takes bf16/fp16 neox with rotary halves and tail in "
+                "multiples of 8 columns and 32 bytes, head_dim <= 256).")
         if tuned:
             raise ValueError("Invalid tile override for fused KV materialization: got "
                              "block_tokens/block_heads/num_warps with lowering='mosaic_gpu', "

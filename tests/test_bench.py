@@ -280,11 +280,32 @@ def test_the_chain_runs_every_call_in_order_on_its_input_set():
         return outputs + varying[0] * fixed
 
     run = chained_calls(step, 5, len(sets))
-    total = run(2.0, sets, jax.numpy.zeros(size))
+    total, _ = run(2.0, sets, jax.numpy.zeros(size), jax.numpy.zeros(5))
     # calls 0..4 read sets 0, 1, 2, 0, 1: 2 * (1 + 10 + 100 + 1 + 10)
     assert np.unique(np.asarray(total)).tolist() == [244.0]
     seconds, _ = in_jit_seconds(run, 2.0, sets, total, calls_per_jit=5, batch_seconds=0.01, repeats=3)
     assert 0 < seconds < 0.1
+
+
+def test_a_chain_of_steps_that_allocate_their_outputs_keeps_every_call():
+    # XLA dropped all but the last call of such a chain, and merged calls on one input set,
+    # before every call read its inputs plus a zero it cannot know and returned its outputs.
+    jax = pytest.importorskip("jax")
+    from interop.bench.timers import chained_calls
+
+    def step(fixed, varying, outputs):
+        return jax.numpy.sin(varying[0]) * fixed
+
+    calls = 5
+    sets = [(jax.numpy.full((1000,), float(i + 1)),) for i in range(2)]
+    run = chained_calls(step, calls, len(sets), fresh_outputs=True)
+    zeros = jax.numpy.zeros(calls)
+    compiled = run.lower(2.0, sets, jax.numpy.zeros(1000), zeros).compile().as_text()
+    entry = compiled[compiled.index("ENTRY"):]
+    assert entry.count("fusion(") >= calls
+    last, earlier = run(2.0, sets, jax.numpy.zeros(1000), zeros)
+    values = [float(np.asarray(out)[0]) for out in (*earlier, last)]
+    assert values == pytest.approx([2 * np.sin(1.0 + call % 2) for call in range(calls)])
 
 
 def _broken_steps(workload):
@@ -347,7 +368,7 @@ CHECKED_HERE = [i for i in IMPLEMENTATIONS if ON_GPU or "torch-compile" not in i
 @pytest.mark.parametrize("implementation", CHECKED_HERE, ids=[i.name for i in CHECKED_HERE])
 def test_every_implementation_passes_its_check_on_small_inputs(implementation):
     pytest.importorskip("torch")
-    pytest.importorskip("jax")
+    jax = pytest.importorskip("jax")
     from interop.bench.timers import chained_calls
     from interop.bench.workload import Workload
 
@@ -355,8 +376,8 @@ def test_every_implementation_passes_its_check_on_small_inputs(implementation):
                         set_count=3)
     prepared = implementation.prepare(workload)
     if isinstance(prepared, Steps):
-        run_chain = chained_calls(prepared.step, 4, len(prepared.varying))
-        outputs = run_chain(prepared.fixed, prepared.varying, prepared.new_outputs())
+        run_chain = chained_calls(prepared.step, 4, len(prepared.varying), fresh_outputs=prepared.fresh_outputs)
+        outputs, _ = run_chain(prepared.fixed, prepared.varying, prepared.new_outputs(), jax.numpy.zeros(4))
         assert prepared.check(outputs, 3 % len(prepared.varying)) == "ok"
     else:
         assert prepared.check() == "ok"

@@ -617,7 +617,7 @@ def test_gpu_tile_overrides_agree(block_tokens, block_heads, num_warps):
 MOSAIC_CASES = [  # config, n_layers, total_ctx, kv dtype, position dtype
     (FusedKVConfig(2, 64, 64, "neox"), 2, 64, "bfloat16", "int32"),
     (FusedKVConfig(1, 96, 32, "neox"), 1, 64, "float16", "int64"),
-    (FusedKVConfig(1, 32, 16, "neox"), 1, 128, "float32", "int32"),
+    (FusedKVConfig(1, 64, 32, "neox"), 1, 128, "bfloat16", "int32"),
 ]
 
 
@@ -665,8 +665,12 @@ BAD_LOWERINGS = [
      "('triton', 'mosaic_gpu') or None."),
     (dict(lowering="mosaic_gpu", rope_style="gptj"),
      "Invalid lowering for fused KV materialization: got 'mosaic_gpu' for rope_style='gptj', "
-     "head_dim=16, rotary_dim=16, dtype=bfloat16, expected 'triton' (Mosaic GPU takes neox with "
-     "rotary halves and tail in multiples of 8 columns and 16 bytes, head_dim <= 256)."),
+     "head_dim=32, rotary_dim=32, dtype=bfloat16, expected 'triton' (Mosaic GPU takes bf16/fp16 "
+     "neox with rotary halves and tail in multiples of 8 columns and 32 bytes, head_dim <= 256)."),
+    (dict(lowering="mosaic_gpu", dtype="float32"),
+     "Invalid lowering for fused KV materialization: got 'mosaic_gpu' for rope_style='neox', "
+     "head_dim=32, rotary_dim=32, dtype=float32, expected 'triton' (Mosaic GPU takes bf16/fp16 "
+     "neox with rotary halves and tail in multiples of 8 columns and 32 bytes, head_dim <= 256)."),
     (dict(lowering="mosaic_gpu", block_tokens=4),
      "Invalid tile override for fused KV materialization: got block_tokens/block_heads/num_warps "
      "with lowering='mosaic_gpu', expected them only with the Triton lowering."),
@@ -676,15 +680,15 @@ BAD_LOWERINGS = [
 @pytest.mark.parametrize("overrides, message", BAD_LOWERINGS, ids=lambda v: v[:60] if isinstance(v, str) else "")
 def test_bad_lowering_raises_its_message(overrides, message):
     overrides = dict(overrides)
-    config = FusedKVConfig(2, 16, 16, overrides.pop("rope_style", "neox"))
-    host = _inputs(config, n_layers=2, total_ctx=64, seed=33)
+    config = FusedKVConfig(2, 32, 32, overrides.pop("rope_style", "neox"))
+    host = _inputs(config, n_layers=2, total_ctx=64, seed=33, dtype=overrides.pop("dtype", "bfloat16"))
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         fused_kv_norm_rope(*host, **_static(config), **overrides)
 
 
 @pytest.mark.skipif(ON_GPU, reason="interpret mode only")
 def test_mosaic_interpret_mode_refuses_a_partial_block():
-    config = FusedKVConfig(2, 16, 16, "neox")
+    config = FusedKVConfig(2, 32, 32, "neox")
     host = _inputs(config, n_layers=1, total_ctx=65, seed=34)
     message = ("Invalid total_ctx for fused KV materialization with lowering='mosaic_gpu': "
                "got 65, expected a multiple of 64 in interpret mode.")
@@ -712,7 +716,7 @@ def test_mosaic_lowers_for_a_gpu(config, total_ctx):
 @pytest.mark.parametrize("config, n_layers, total_ctx, dtype", [
     (DRAFT, 5, 1, "bfloat16"), (DRAFT, 5, 4096, "bfloat16"), (FusedKVConfig(8, 128, 64, "neox"), 8, 72, "bfloat16"),
     (FusedKVConfig(1, 96, 96, "neox"), 1, 7, "bfloat16"), (FusedKVConfig(3, 128, 96, "neox"), 2, 200, "float16"),
-    (FusedKVConfig(2, 256, 256, "neox"), 5, 136, "float32"),
+    (FusedKVConfig(2, 256, 256, "neox"), 5, 136, "bfloat16"),
 ])
 def test_gpu_mosaic_matches_reference(config, n_layers, total_ctx, dtype):
     host = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, max_position=32768, dtype=dtype,

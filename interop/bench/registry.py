@@ -64,6 +64,7 @@ class Steps:
     new_outputs: Callable[[], object]
     bytes_moved: int
     check: Callable[[object, int], str]
+    fresh_outputs: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,13 +121,15 @@ def _op_calls(workload: Workload, framework: str, function, *, given_outputs: bo
     return Calls(call, sets, op_bytes, lambda: op_verdict(*call(0), *args[0], static=shape.static()))
 
 
-def _op_steps(workload: Workload, step) -> Steps:
-    """A JAX step of the op over every input set, one poisoned output pair chained through."""
+def _op_steps(workload: Workload, step, *, fresh_outputs: bool = False) -> Steps:
+    """A JAX step of the op over every input set, one poisoned output pair chained through
+    (``fresh_outputs``: a step that allocates its own outputs instead)."""
     shape = workload.shape
     sets = workload.sets(shape.kv_nbytes(workload.total_ctx, workload.dtype))
     return Steps(step, workload.shared("jax"), [workload.varying(i, "jax") for i in range(sets)],
                  lambda: _nan_pair(workload, "jax"), shape.op_bytes(workload.total_ctx, workload.dtype),
-                 lambda outputs, i: op_verdict(*outputs, *workload.op_args(i, "jax"), static=shape.static()))
+                 lambda outputs, i: op_verdict(*outputs, *workload.op_args(i, "jax"), static=shape.static()),
+                 fresh_outputs)
 
 
 def _triton(workload: Workload) -> Calls:
@@ -189,7 +192,7 @@ def _jnp_steps(workload: Workload) -> Steps:
         kv, positions = varying
         return jnp_reference_math(kv, *fixed, positions, config=config)
 
-    return _op_steps(workload, step)
+    return _op_steps(workload, step, fresh_outputs=True)
 
 
 def _jnp_eager(workload: Workload) -> Calls:
@@ -227,7 +230,8 @@ def _xla_copy(workload: Workload) -> Steps:
     return Steps(step, (), [workload.varying(i, "jax") for i in range(sets)],
                  lambda: jnp.full(kv_shape, jnp.nan, jnp.dtype(workload.dtype)),
                  workload.shape.op_bytes(workload.total_ctx, workload.dtype),
-                 lambda outputs, i: copy_verdict(outputs, workload.varying(i, "jax")[0], negated=True))
+                 lambda outputs, i: copy_verdict(outputs, workload.varying(i, "jax")[0], negated=True),
+                 fresh_outputs=True)
 
 
 @functools.cache
@@ -322,7 +326,8 @@ def _jax_gemm(workload: Workload) -> Steps:
     return Steps(step, _jax_materializer(workload.shape, workload.dtype),
                  [(workload.hidden(i, "jax"),) for i in range(sets)],
                  lambda: jnp.full(kv_shape, jnp.nan, jnp.dtype(workload.dtype)), _materializer_bytes(workload)[0],
-                 lambda outputs, i: projection_verdict(outputs, workload.hidden(i, "jax"), layers))
+                 lambda outputs, i: projection_verdict(outputs, workload.hidden(i, "jax"), layers),
+                 fresh_outputs=True)
 
 
 def _jax_materializer_steps(workload: Workload) -> Steps:
@@ -335,7 +340,7 @@ def _jax_materializer_steps(workload: Workload) -> Steps:
     return Steps(step, materializer,
                  [(workload.hidden(i, "jax"), workload.varying(i, "jax")[1]) for i in range(sets)],
                  lambda: _nan_pair(workload, "jax"), _materializer_bytes(workload)[1],
-                 functools.partial(_jax_materializer_check, workload, materializer))
+                 functools.partial(_jax_materializer_check, workload, materializer), fresh_outputs=True)
 
 
 def _jax_materializer_eager(workload: Workload) -> Calls:

@@ -98,25 +98,39 @@ def copy_bytes_per_second(nbytes: int = COPY_BYTES) -> float:
     return 2 * nbytes / do_bench_seconds(lambda: destination.copy_(source))
 
 
-def chained_calls(step: Callable, calls: int, sets: int):
-    """One jit of ``calls`` calls of ``step``, call ``j`` on input set ``j % sets``, each
-    writing into the outputs of the call before it.
+def chained_calls(step: Callable, calls: int, sets: int, *, fresh_outputs: bool = False):
+    """One jit of ``calls`` calls of ``step``, call ``j`` on input set ``j % sets``.
 
     ``step(fixed, varying, outputs) -> outputs``; the jit is ``run(fixed, varying_sets,
-    outputs) -> outputs`` with ``outputs`` donated. Between calls an optimization barrier
-    hands the previous outputs and the next inputs on together, so every call is real:
-    XLA can neither drop a call whose outputs the next one ignores (a baseline that
-    allocates its own), nor merge two calls on the same input set, nor fuse across calls.
+    outputs, zeros) -> (outputs, earlier)`` with ``outputs`` donated and ``zeros`` a
+    float32[calls] array of zeros. A step that writes into the outputs of the call before
+    it (the Pallas kernel) is chained through them, with an optimization barrier between
+    calls that hands the previous outputs and the next inputs on together, so XLA can
+    neither merge nor fuse calls. A step with ``fresh_outputs`` (XLA's own computations,
+    which allocate their results) ignores the previous outputs, so nothing would stop XLA
+    from dropping every call but the last or merging calls on the same input set (it did
+    both): every call then reads its inputs plus ``zeros[j]``, a value XLA cannot know,
+    and every call's outputs are returned in ``earlier``.
     """
     import jax
+    import jax.numpy as jnp
 
-    def run(fixed, varying_sets, outputs):
+    def shifted(varying, zero):
+        return jax.tree.map(
+            lambda a: a + zero.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, varying)
+
+    def run(fixed, varying_sets, outputs, zeros):
+        earlier = []
         for call in range(calls):
             varying = varying_sets[call % sets]
-            if call:
+            if fresh_outputs:
+                varying = shifted(varying, zeros[call])
+                if call:
+                    earlier.append(outputs)
+            elif call:
                 varying, outputs = jax.lax.optimization_barrier((varying, outputs))
             outputs = step(fixed, varying, outputs)
-        return outputs
+        return outputs, earlier
 
     return jax.jit(run, donate_argnums=2)
 
@@ -140,12 +154,16 @@ def in_jit_seconds(run, fixed, varying_sets, outputs, *, calls_per_jit: int, bat
     """
     import jax
 
+    zeros = jax.numpy.zeros(calls_per_jit, jax.numpy.float32)
+
     def batch(jits, outputs):
         start = time.perf_counter()
+        every = []
         for _ in range(jits):
-            outputs = run(fixed, varying_sets, outputs)
+            outputs, earlier = run(fixed, varying_sets, outputs, zeros)
+            every.append(earlier)
         queued = time.perf_counter() - start
-        jax.block_until_ready(outputs)
+        jax.block_until_ready((outputs, every))
         return time.perf_counter() - start, queued, outputs
 
     _, _, outputs = batch(1, outputs)
