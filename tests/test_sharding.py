@@ -150,11 +150,20 @@ def _finish(process, timeout=600):
     return output
 
 
+def _gpu_visible() -> bool:
+    torch = pytest.importorskip("torch")
+    return torch.cuda.is_available()
+
+
 def test_jax_on_four_host_devices():
     process = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_sharding_mesh_jax.py"],
                    _env(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4"))
     output = _finish(process)
-    assert "skipped" not in output and " passed" in output, output
+    # Where a GPU is visible, jax 0.11 lowers the GPU kernel only for it, so the two
+    # lowering tests skip in this host-device subprocess (test_sharding_gpu.py runs them).
+    allowed_skips = "2 skipped" if _gpu_visible() else None
+    assert " passed" in output and "failed" not in output, output
+    assert "skipped" not in output or (allowed_skips and allowed_skips in output), output
 
 
 def test_torch_ranks_over_gloo_each_compute_their_heads(tmp_path):

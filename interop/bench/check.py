@@ -110,6 +110,29 @@ def projection_verdict(kv, ctx_hidden, layers) -> str:
     return "ok" if result.ok else "FAIL: " + result.report()
 
 
+def end_to_end_verdict(k, v, layers, ctx_hidden, positions) -> str:
+    """``'ok'``, or what is wrong with ``(k, v)``, a materializer's outputs for ``ctx_hidden``.
+
+    Against the materializer's fp32 NumPy path (:func:`interop.materializer_spec.materializer_reference`)
+    under :data:`~interop.tolerance.END_TO_END_TOLERANCE`: checking against the op's reference
+    on a second GEMM of the same inputs would hold the GEMM to its own rounding, which XLA
+    may reach by another algorithm in another compilation.
+    """
+    from interop.materializer_spec import materializer_reference
+
+    unwritten = count_nan(k) + count_nan(v)
+    if unwritten:
+        return f"FAIL: {unwritten} elements unwritten (NaN)"
+    rows = checked_rows(int(k.shape[1]))
+    k_expected, v_expected = materializer_reference(layers, take_rows(ctx_hidden, rows, 0),
+                                                    take_rows(positions, rows, 0))
+    for name, got, expected in (("k", k, k_expected), ("v", v, v_expected)):
+        result = compare(take_rows(got, rows, 1), expected, name=name, tolerance=END_TO_END_TOLERANCE)
+        if not result.ok:
+            return "FAIL: " + result.report()
+    return "ok"
+
+
 def copy_verdict(destination, source, *, negated: bool = False) -> str:
     """``'ok'`` when the sampled rows of ``destination`` hold ``source``'s bits (or its negation)."""
     rows = checked_rows(int(source.shape[0]))

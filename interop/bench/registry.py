@@ -27,7 +27,7 @@ from typing import Callable
 
 from interop.arrays import numpy_dtype
 from interop.bench.baselines import jnp_reference_math, torch_reference_math
-from interop.bench.check import copy_verdict, op_verdict, projection_verdict
+from interop.bench.check import copy_verdict, end_to_end_verdict, op_verdict, projection_verdict
 from interop.bench.shapes import MAX_POSITION, BenchShape
 from interop.bench.workload import Workload
 from interop.exchange import to_torch
@@ -307,10 +307,9 @@ def _torch_materializer_calls(workload: Workload) -> Calls:
 
 
 def _jax_materializer_check(workload: Workload, materializer, outputs, index: int) -> str:
-    """The end-to-end outputs against the reference on the materializer's own GEMM output."""
-    return op_verdict(*outputs, materializer.project(workload.hidden(index, "jax")), materializer.k_norm_weight,
-                      materializer.eps, materializer.cos_sin_cache, workload.varying(index, "jax")[1],
-                      static=workload.shape.static())
+    """The end-to-end outputs against the materializer's fp32 NumPy path."""
+    return end_to_end_verdict(*outputs, _materializer_case(workload.shape, workload.dtype).layers,
+                              workload.hidden(index, "jax"), workload.varying(index, "jax")[1])
 
 
 def _jax_gemm(workload: Workload) -> Steps:

@@ -103,14 +103,14 @@ def chained_calls(step: Callable, calls: int, sets: int, *, fresh_outputs: bool 
 
     ``step(fixed, varying, outputs) -> outputs``; the jit is ``run(fixed, varying_sets,
     outputs, zeros) -> (outputs, earlier)`` with ``outputs`` donated and ``zeros`` a
-    float32[calls] array of zeros. A step that writes into the outputs of the call before
-    it (the Pallas kernel) is chained through them, with an optimization barrier between
-    calls that hands the previous outputs and the next inputs on together, so XLA can
-    neither merge nor fuse calls. A step with ``fresh_outputs`` (XLA's own computations,
-    which allocate their results) ignores the previous outputs, so nothing would stop XLA
-    from dropping every call but the last or merging calls on the same input set (it did
-    both): every call then reads its inputs plus ``zeros[j]``, a value XLA cannot know,
-    and every call's outputs are returned in ``earlier``.
+    float32[calls] array of zeros. Between calls an optimization barrier hands the
+    previous outputs and the next inputs on together, so XLA cannot fuse calls (one fusion
+    reading an input set once for several calls). A step that writes into the outputs of
+    the call before it (the Pallas kernel) is chained through them. A step with
+    ``fresh_outputs`` (XLA's own computations, which allocate their results) ignores them,
+    so nothing would stop XLA from dropping every call but the last or merging calls on
+    the same input set (it did both): every call then reads its inputs plus ``zeros[j]``,
+    a value XLA cannot know, and every call's outputs are returned in ``earlier``.
     """
     import jax
     import jax.numpy as jnp
@@ -123,12 +123,12 @@ def chained_calls(step: Callable, calls: int, sets: int, *, fresh_outputs: bool 
         earlier = []
         for call in range(calls):
             varying = varying_sets[call % sets]
+            if call:
+                varying, outputs = jax.lax.optimization_barrier((varying, outputs))
+                if fresh_outputs:
+                    earlier.append(outputs)
             if fresh_outputs:
                 varying = shifted(varying, zeros[call])
-                if call:
-                    earlier.append(outputs)
-            elif call:
-                varying, outputs = jax.lax.optimization_barrier((varying, outputs))
             outputs = step(fixed, varying, outputs)
         return outputs, earlier
 
