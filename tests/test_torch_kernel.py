@@ -24,6 +24,7 @@ from interop.spec import FusedKVConfig
 from interop.tolerance import assert_bit_exact, assert_close, assert_fp8_close, compare
 from fusedkv_torch import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_torch import kernel as kernel_module
+from fusedkv_torch import ops as ops_module
 from fusedkv_torch.kernel import launch
 from fusedkv_torch.launcher import expected_attributes, specialization_key
 
@@ -978,7 +979,7 @@ def test_repeated_eager_calls_launch_directly_for_every_alignment():
     shape = REAL.output_shape(5, total_ctx)
 
     def compiled_launches():
-        return sum(len(compiled) for _, _, compiled in kernel_module._PREPARED_CALLS.values())
+        return sum(len(prepared.compiled) for prepared in ops_module._PREPARED_CALLS.values())
 
     before, counts = compiled_launches(), []
     for round_ in range(2):

@@ -8,7 +8,7 @@ declare, and an op that breaks under ``torch.compile``'s AOT dispatch.
 import pytest
 import torch
 
-from fusedkv_torch import kernel as kernel_module  # noqa: F401  (registers torch.ops.fusedkv)
+import fusedkv_torch.ops  # noqa: F401  (registers torch.ops.fusedkv)
 from interop.exchange import to_torch
 from interop.inputs import random_inputs
 from interop.spec import FusedKVConfig
