@@ -9,7 +9,7 @@ For token t, layer l and KV head h, with all arithmetic in fp32 and one rounding
 
 The kernel reads ``kv`` once and writes each output once; the cos/sin rows and weights
 it also reads are served from L2. It is bandwidth-bound, so each program moves a 3-D
-tile of ``BLOCK_T`` tokens by ``HEADS_PER_PROGRAM`` heads by ``head_dim`` with 16-byte
+tile of ``BLOCK_T`` tokens by ``BLOCK_HEADS`` heads by ``head_dim`` with 16-byte
 vector accesses, and the launcher sizes the tiles from ``total_ctx``. The grid is one
 axis of (token block, layer, head group) with the head group varying fastest: adjacent
 programs then read adjacent bytes of ``kv``, and one axis has room for the
@@ -111,7 +111,7 @@ def _fused_kv_norm_rope_kernel(
     v_stride_l, v_stride_row, v_stride_h, v_stride_d,
     N_LAYERS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
     GPTJ: tl.constexpr, TO_SLOTS: tl.constexpr, QUANTIZE_K: tl.constexpr, QUANTIZE_V: tl.constexpr,
-    BLOCK_T: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HEADS: tl.constexpr,
     PAIR_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, HEAD_BLOCK: tl.constexpr,
     DEPENDENT_LAUNCH: tl.constexpr,
 ):
@@ -121,17 +121,17 @@ def _fused_kv_norm_rope_kernel(
         # the one ahead (which may have written any input) has finished and flushed.
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    # Tiles are [BLOCK_T tokens, HEADS_PER_PROGRAM heads, dims]: every load of the program is
+    # Tiles are [BLOCK_T tokens, BLOCK_HEADS heads, dims]: every load of the program is
     # issued before any store, whatever the number of heads (a loop over heads could not
     # move the next head's loads above this head's stores, which might alias them).
     # int64 from the start: offsets into kv or a cache pass 2**31 elements in long contexts.
     pid = tl.program_id(0).to(tl.int64)
-    head_groups: tl.constexpr = NUM_HEADS // HEADS_PER_PROGRAM
+    head_groups: tl.constexpr = NUM_HEADS // BLOCK_HEADS
     head_group = pid % head_groups
     layer = (pid // head_groups) % N_LAYERS
     tokens = (pid // (head_groups * N_LAYERS)) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_context = tokens < total_ctx
-    heads = (head_group * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM))[None, :, None]
+    heads = (head_group * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS))[None, :, None]
 
     # Loads are masked by the context only and issued early, so no load waits on another
     # (rows skipped in a cache are read for nothing; padding is rare). Stores use `written`.
@@ -147,7 +147,7 @@ def _fused_kv_norm_rope_kernel(
     rows = rows[:, None, None]
     kv_rows = kv_ptr + tokens[:, None, None] * kv_stride_t + layer * kv_stride_l
     k_src = kv_rows + heads * (HEAD_DIM * kv_stride_d)
-    first, second = _load_rotary_halves(k_src, kv_stride_d, loaded, BLOCK_T, HEADS_PER_PROGRAM,
+    first, second = _load_rotary_halves(k_src, kv_stride_d, loaded, BLOCK_T, BLOCK_HEADS,
                                         PAIR_BLOCK, ROTARY_DIM, GPTJ)
     if TAIL_BLOCK > 0:
         tail_dims = ROTARY_DIM + tl.arange(0, TAIL_BLOCK)[None, None, :]
@@ -169,10 +169,10 @@ def _fused_kv_norm_rope_kernel(
     cos_sin_rows = (cos_sin_ptr + positions * cos_sin_stride_p)[:, None, None] + same_for_every_head
     cos, sin = _load_rotary_halves(cos_sin_rows, cos_sin_stride_d,
                                    (in_context & rotatable)[:, None, None] & everywhere,
-                                   BLOCK_T, HEADS_PER_PROGRAM, PAIR_BLOCK, ROTARY_DIM, False)
+                                   BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, ROTARY_DIM, False)
     weight_rows = k_norm_weight_ptr + layer * weight_stride_l + tokens[:, None, None] * 0 + same_for_every_head
     weight_first, weight_second = _load_rotary_halves(weight_rows, weight_stride_d, everywhere,
-                                                      BLOCK_T, HEADS_PER_PROGRAM, PAIR_BLOCK, ROTARY_DIM, GPTJ)
+                                                      BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, ROTARY_DIM, GPTJ)
     if TAIL_BLOCK > 0:
         weight_tail = tl.load(weight_rows + tail_dims * weight_stride_d, mask=everywhere & (tail_dims < HEAD_DIM),
                               other=0.0).to(tl.float32)
@@ -217,7 +217,7 @@ def _fused_kv_norm_rope_kernel(
     _store_rotary_halves(k_dst, k_stride_d,
                          _to_destination(rotated_first, k_scale, k_inverse_scale, k_dtype, QUANTIZE_K),
                          _to_destination(rotated_second, k_scale, k_inverse_scale, k_dtype, QUANTIZE_K),
-                         written, BLOCK_T, HEADS_PER_PROGRAM, PAIR_BLOCK, ROTARY_DIM, GPTJ)
+                         written, BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, ROTARY_DIM, GPTJ)
     if TAIL_BLOCK > 0:
         tl.store(k_dst + tail_dims * k_stride_d,
                  _to_destination(tail * inv_rms * weight_tail, k_scale, k_inverse_scale, k_dtype, QUANTIZE_K),
@@ -235,9 +235,9 @@ def _next_power_of_2(n: int) -> int:
 _INTERPRETED_TILE_ELEMENTS = 1 << 20
 
 
-def default_launch_shape(total_ctx: int, num_kv_heads: int, head_dim: int, *,
-                         interpreted: bool = False) -> tuple[int, int, int]:
-    """``(block_tokens, heads_per_program, num_warps)`` for a call of this size.
+def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *,
+                 interpret: bool = False) -> tuple[int, int, int]:
+    """``(block_tokens, block_heads, num_warps)`` for a call of this size.
 
     Three regimes, chosen on the H200 by graph replay of every candidate tile in
     alternated rounds beside a copy of the same bytes (BENCHMARKS.md): short contexts
@@ -246,24 +246,24 @@ def default_launch_shape(total_ctx: int, num_kv_heads: int, head_dim: int, *,
     contexts, one-token tiles of up to 8 heads (16 elements of K and 16 of V per
     thread). Fewer heads per program take more tokens, for tiles of about 8 rows.
 
-    ``interpreted`` (``TRITON_INTERPRET=1``): few, large programs instead, of as many
+    ``interpret`` (``TRITON_INTERPRET=1``): few, large programs instead, of as many
     tokens as fit ``_INTERPRETED_TILE_ELEMENTS``.
     """
-    if interpreted:
-        heads_per_program = num_kv_heads & -num_kv_heads  # the largest power of two dividing the heads
-        fitting = max(1, _INTERPRETED_TILE_ELEMENTS // (heads_per_program * _next_power_of_2(head_dim)))
+    if interpret:
+        block_heads = num_kv_heads & -num_kv_heads  # the largest power of two dividing the heads
+        fitting = max(1, _INTERPRETED_TILE_ELEMENTS // (block_heads * _next_power_of_2(head_dim)))
         block_tokens = min(_next_power_of_2(max(1, total_ctx)), 1 << (fitting.bit_length() - 1))
-        return block_tokens, heads_per_program, 1
+        return block_tokens, block_heads, 1
     if total_ctx < _SHORT_CONTEXT_END:
         return 2, 1, 1
-    heads_per_program = min(8, num_kv_heads & -num_kv_heads)  # the largest power of two dividing the heads
+    block_heads = min(8, num_kv_heads & -num_kv_heads)  # the largest power of two dividing the heads
     four_token_tiles = _FOUR_TOKEN_TILES[0] <= total_ctx < _FOUR_TOKEN_TILES[1]
-    block_tokens = max(1, 8 // heads_per_program) * (4 if four_token_tiles else 1)
-    num_warps = max(1, min(8, block_tokens * heads_per_program * _next_power_of_2(head_dim) // 512))
-    return block_tokens, heads_per_program, num_warps
+    block_tokens = max(1, 8 // block_heads) * (4 if four_token_tiles else 1)
+    num_warps = max(1, min(8, block_tokens * block_heads * _next_power_of_2(head_dim) // 512))
+    return block_tokens, block_heads, num_warps
 
 
-# Token counts where the tile regimes of default_launch_shape change (H200, draft shape):
+# Token counts where the tile regimes of default_tile change (H200, draft shape):
 # two-token one-head tiles won up to 96 tokens and lost to one-token tiles of 8 heads at 128;
 # four-token tiles won at 256 and lost at 192 and 384.
 _SHORT_CONTEXT_END = 128
@@ -272,23 +272,23 @@ _FOUR_TOKEN_TILES = (256, 384)
 
 @functools.lru_cache(maxsize=4096)
 def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, to_slots: bool, quantize_k: bool,
-          quantize_v: bool, block_tokens: Optional[int], heads_per_program: Optional[int],
+          quantize_v: bool, block_tokens: Optional[int], block_heads: Optional[int],
           num_warps: Optional[int], dependent_launch: bool) -> tuple[int, tuple, int, bool]:
     """``(grid, constexpr values in kernel order, num_warps, dependent_launch)`` of a launch."""
-    default_block, default_heads, default_warps = default_launch_shape(
-        total_ctx, config.num_kv_heads, config.head_dim, interpreted=_launcher.interpreted)
+    default_block, default_heads, default_warps = default_tile(
+        total_ctx, config.num_kv_heads, config.head_dim, interpret=_launcher.interpreted)
     block_tokens = block_tokens or default_block
-    heads_per_program = heads_per_program or default_heads
-    if config.num_kv_heads % heads_per_program or heads_per_program & (heads_per_program - 1):
-        raise ValueError(f"Invalid heads_per_program for fused KV materialization: got "
-                         f"{heads_per_program}, expected a power of two that divides {config.num_kv_heads}.")
+    block_heads = block_heads or default_heads
+    if config.num_kv_heads % block_heads or block_heads & (block_heads - 1):
+        raise ValueError(f"Invalid block_heads for fused KV materialization: got "
+                         f"{block_heads}, expected a power of two that divides {config.num_kv_heads}.")
     tail = config.head_dim - config.rotary_dim
     constexprs = (
         n_layers, config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style == "gptj",
-        to_slots, quantize_k, quantize_v, block_tokens, heads_per_program, _next_power_of_2(config.rotary_dim // 2),
+        to_slots, quantize_k, quantize_v, block_tokens, block_heads, _next_power_of_2(config.rotary_dim // 2),
         _next_power_of_2(tail) if tail else 0, _next_power_of_2(config.head_dim), dependent_launch,
     )
-    grid = -(-total_ctx // block_tokens) * n_layers * (config.num_kv_heads // heads_per_program)
+    grid = -(-total_ctx // block_tokens) * n_layers * (config.num_kv_heads // block_heads)
     return grid, constexprs, num_warps or default_warps, dependent_launch
 
 
@@ -339,7 +339,7 @@ def launch(
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
     block_tokens: Optional[int] = None,
-    heads_per_program: Optional[int] = None,
+    block_heads: Optional[int] = None,
     num_warps: Optional[int] = None,
     dependent_launch: Optional[bool] = None,
 ) -> None:
@@ -347,18 +347,18 @@ def launch(
 
     ``k_dst``/``v_dst`` are ``[n_layers, rows, num_kv_heads, head_dim]``: the outputs
     (row t for token t) or, with ``cache_loc``, the caches (row ``cache_loc[t]``).
-    ``block_tokens``, ``heads_per_program`` (a power of two dividing the heads) and
-    ``num_warps`` (powers of two) override :func:`default_launch_shape` (benchmark
+    ``block_tokens``, ``block_heads`` (a power of two dividing the heads) and
+    ``num_warps`` (powers of two) override :func:`default_tile` (benchmark
     sweeps); they are the only arguments checked here. ``dependent_launch`` overrides
     :func:`supports_dependent_launch`.
     """
     # Before the plan's cache, which would take 2.0 for 2.
     block_tokens = None if block_tokens is None else tile_argument("block_tokens", block_tokens)
-    heads_per_program = None if heads_per_program is None else size_argument("heads_per_program", heads_per_program)
+    block_heads = None if block_heads is None else size_argument("block_heads", block_heads)
     num_warps = None if num_warps is None else tile_argument("num_warps", num_warps)
     total_ctx, n_layers, _ = kv.shape
     if dependent_launch is None:
         dependent_launch = supports_dependent_launch(kv.device)
     plan = _plan(config, total_ctx, n_layers, cache_loc is not None, k_scale is not None, v_scale is not None,
-                 block_tokens, heads_per_program, num_warps, dependent_launch)
+                 block_tokens, block_heads, num_warps, dependent_launch)
     _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dst, v_dst, cache_loc, k_scale, v_scale)

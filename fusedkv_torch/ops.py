@@ -254,6 +254,7 @@ def fused_kv_norm_rope(
         with each other or with ``kv`` is refused.
       check_positions: raise ``ValueError`` for out-of-range positions; this syncs with
         the device, so it is off by default and cannot be used under CUDA graph capture.
+        The torch backend's only (``fusedkv_jax`` has no host sync to raise from).
 
     Returns:
       ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim].

@@ -85,14 +85,14 @@ def test_one_token_of_one_layer(style):
 
 
 @pytest.mark.parametrize("style", ["neox", "gptj"])
-@pytest.mark.parametrize("block_tokens, heads_per_program", [(8, 2), (4, 4), (16, 1)])
-def test_token_tiles_and_head_groups_cover_a_ragged_context(style, block_tokens, heads_per_program):
+@pytest.mark.parametrize("block_tokens, block_heads", [(8, 2), (4, 4), (16, 1)])
+def test_token_tiles_and_head_groups_cover_a_ragged_context(style, block_tokens, block_heads):
     config = FusedKVConfig(4, 96, 64, style)
     inputs = random_inputs(config, n_layers=2, total_ctx=19, max_position=64, seed=2)
     kv, *rest = on_device(inputs)
     k, v = poisoned((2, 19, 4, 96), kv.dtype), poisoned((2, 19, 4, 96), kv.dtype)
     launch(kv, *rest, k, v, config=config, block_tokens=block_tokens,
-           heads_per_program=heads_per_program, num_warps=2)
+           block_heads=block_heads, num_warps=2)
     assert_matches_reference(inputs, config, k, v)
 
 
@@ -102,13 +102,13 @@ def test_decode_and_mid_size_contexts_on_their_default_tiles(total_ctx, tile):
     # head (4 heads: 2 rows of tokens each); between and beyond, one-token rows of every head.
     # The GPU's tiles, launched by name: interpreted, a call's default is a few large tiles.
     config = FusedKVConfig(4, 64, 64, "gptj")
-    block_tokens, heads_per_program, num_warps = kernel_module.default_launch_shape(total_ctx, 4, 64)
-    assert (block_tokens, heads_per_program) == tile
+    block_tokens, block_heads, num_warps = kernel_module.default_tile(total_ctx, 4, 64)
+    assert (block_tokens, block_heads) == tile
     inputs = random_inputs(config, n_layers=2, total_ctx=total_ctx, max_position=512, seed=4)
     kv, *rest = on_device(inputs)
     k, v = poisoned((2, total_ctx, 4, 64), kv.dtype), poisoned((2, total_ctx, 4, 64), kv.dtype)
     launch(kv, *rest, k, v, config=config, block_tokens=block_tokens,
-           heads_per_program=heads_per_program, num_warps=num_warps)
+           block_heads=block_heads, num_warps=num_warps)
     assert_matches_reference(inputs, config, k, v)
 
 
@@ -118,16 +118,16 @@ def test_long_ragged_context_of_one_head_takes_multi_token_tiles():
     assert_matches_reference(inputs, config, *fused_kv_norm_rope(*on_device(inputs), **static(config)))
 
 
-@pytest.mark.parametrize("heads, heads_per_program", [(3, 2), (6, 3)])
-def test_heads_per_program_must_be_a_power_of_two_dividing_the_heads(heads, heads_per_program):
+@pytest.mark.parametrize("heads, block_heads", [(3, 2), (6, 3)])
+def test_block_heads_must_be_a_power_of_two_dividing_the_heads(heads, block_heads):
     config = FusedKVConfig(heads, 64, 64)
     inputs = random_inputs(config, n_layers=1, total_ctx=2, max_position=8)
     kv, *rest = on_device(inputs)
     k = poisoned((1, 2, heads, 64), kv.dtype)
     with pytest.raises(ValueError, match=re.escape(
-            f"Invalid heads_per_program for fused KV materialization: got {heads_per_program}, "
+            f"Invalid block_heads for fused KV materialization: got {block_heads}, "
             f"expected a power of two that divides {heads}.")):
-        launch(kv, *rest, k, k, config=config, heads_per_program=heads_per_program)
+        launch(kv, *rest, k, k, config=config, block_heads=block_heads)
     assert torch.isnan(k).all()
 
 
@@ -592,9 +592,9 @@ def test_k_and_v_side_by_side_in_one_pool_share_no_element_and_are_written():
      "Invalid block_tokens for fused KV materialization: got 0, expected a power of two."),
     (dict(num_warps=3), ValueError,
      "Invalid num_warps for fused KV materialization: got 3, expected a power of two."),
-    (dict(heads_per_program=0), ValueError,
-     "Invalid heads_per_program for fused KV materialization: got 0, expected a positive int."),
-], ids=["block_tokens-float", "block_tokens-0", "num_warps-3", "heads_per_program-0"])
+    (dict(block_heads=0), ValueError,
+     "Invalid block_heads for fused KV materialization: got 0, expected a positive int."),
+], ids=["block_tokens-float", "block_tokens-0", "num_warps-3", "block_heads-0"])
 def test_launch_tile_overrides_are_checked_before_launching(override, error, message):
     inputs = random_inputs(CONFIG, n_layers=2, total_ctx=3, max_position=16, seed=19)
     kv, *rest = on_device(inputs)
