@@ -31,17 +31,13 @@ BACKENDS = ("torch", "jax")
 def load_backend(name: str):
     """The kernel package of ``name`` (``fusedkv_torch`` or ``fusedkv_jax``), imported once.
 
-    Without a GPU, Triton runs in interpret mode; Triton reads ``TRITON_INTERPRET`` when
-    a kernel is decorated, so it is set here before ``fusedkv_torch`` is first imported.
+    The environment is the caller's: without a GPU, the torch backend runs only where
+    ``TRITON_INTERPRET=1`` was set before ``fusedkv_torch`` was imported, and otherwise
+    refuses its call with a ``ValueError`` that says so (the ``fusedkv`` command sets it).
     """
     if name not in BACKENDS:
         raise ValueError(f"Invalid backend for fused KV materialization: got {name!r}, "
                          f"expected one of {BACKENDS + ('auto',)}.")
-    if name == "torch" and "fusedkv_torch" not in importlib.sys.modules:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ.setdefault("TRITON_INTERPRET", "1")
     return importlib.import_module(f"fusedkv_{name}")
 
 
