@@ -17,9 +17,10 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 import interop  # noqa: E402
-from interop import cli, equivalence  # noqa: E402
+from interop.command import check as check_command  # noqa: E402
+from interop.command import cli  # noqa: E402
 from interop.arrays import as_numpy, numpy_dtype  # noqa: E402
-from interop.backends import run_backend  # noqa: E402
+from interop.command.backends import run_backend  # noqa: E402
 from interop.exchange import framework_of, to_jax, to_torch  # noqa: E402
 from interop.inputs import random_inputs  # noqa: E402
 from interop.reference import fused_kv_norm_rope_reference  # noqa: E402
@@ -180,7 +181,7 @@ def _corrupting(run_name, index):
 
 
 def test_check_fails_and_names_a_planted_disagreement(monkeypatch, capsys):
-    monkeypatch.setattr(equivalence, "run_backend", _corrupting("jax", (1, 3, 0, 5)))
+    monkeypatch.setattr(check_command, "run_backend", _corrupting("jax", (1, 3, 0, 5)))
     status = cli.main(["check", "--layers", "2", "--heads", "2", "--head-dim", "32",
                        "--tokens", "4", "--json"])
     report = json.loads(capsys.readouterr().out)
@@ -372,7 +373,7 @@ def test_the_library_leaves_the_environment_alone_and_the_torch_backend_says_wha
 def test_the_command_line_interprets_the_triton_kernel_without_a_gpu():
     result = _without_triton_interpret("""
         import os
-        from interop import cli
+        from interop.command import cli
 
         code = cli.main(["check", "--backends", "torch", "--layers", "1", "--heads", "2", "--head-dim", "32",
                          "--tokens", "3"])

@@ -182,7 +182,7 @@ def test_importing_interop_imports_neither_torch_nor_jax():
     import subprocess
     import sys
 
-    probe = ("import sys, interop, interop.cli, interop.dispatch, interop.materializer_spec; "
+    probe = ("import sys, interop, interop.command.cli, interop.dispatch, interop.materializer_spec; "
              "print(sorted(m for m in ('torch', 'jax', 'triton') if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]"

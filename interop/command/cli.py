@@ -10,10 +10,11 @@ import platform
 import sys
 
 import interop
-from interop import backends, dispatch
+from interop import dispatch
 from interop.bench import add_bench_arguments, run_bench_command
+from interop.command import backends
 from interop.dispatch import BACKENDS
-from interop.equivalence import (
+from interop.command.check import (
     DEFAULT_TOKENS_CPU,
     DEFAULT_TOKENS_GPU,
     CheckOptions,
