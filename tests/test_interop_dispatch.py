@@ -22,10 +22,9 @@ from interop.command import cli  # noqa: E402
 from interop.arrays import as_numpy, numpy_dtype  # noqa: E402
 from interop.command.backends import run_backend  # noqa: E402
 from interop.exchange import framework_of, to_jax, to_torch  # noqa: E402
-from interop.inputs import random_inputs  # noqa: E402
 from interop.reference import fused_kv_norm_rope_reference  # noqa: E402
 from interop.spec import FusedKVConfig  # noqa: E402
-from interop.tolerance import assert_bit_exact, assert_close  # noqa: E402
+from interop.testing import assert_bit_exact, assert_close, random_inputs  # noqa: E402
 
 CONFIG = FusedKVConfig(num_kv_heads=2, head_dim=32, rotary_dim=32)
 STATIC = dict(num_kv_heads=2, head_dim=32, rotary_dim=32)
@@ -350,7 +349,7 @@ def test_the_library_leaves_the_environment_alone_and_the_torch_backend_says_wha
     result = _without_triton_interpret("""
         import os
         import interop
-        from interop.inputs import random_inputs
+        from interop.testing import random_inputs
         from interop.spec import FusedKVConfig
 
         inputs = random_inputs(FusedKVConfig(2, 64, 32), n_layers=2, total_ctx=3, max_position=16)

@@ -4,10 +4,18 @@ import numpy as np
 import pytest
 
 from interop.arrays import numpy_dtype
-from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_into_cache_reference
 from interop.spec import FusedKVConfig
-from interop.tolerance import TOLERANCES, assert_bit_exact, assert_close, assert_fp8_close, code_steps, compare, ulp
+from interop.testing import (
+    TOLERANCES,
+    assert_bit_exact,
+    assert_close,
+    assert_fp8_close,
+    code_steps,
+    compare,
+    random_inputs,
+    ulp,
+)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

@@ -18,10 +18,9 @@ import torch
 
 from interop.arrays import as_numpy, numpy_dtype
 from interop.exchange import to_torch
-from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
 from interop.spec import FusedKVConfig
-from interop.tolerance import assert_bit_exact, assert_close, assert_fp8_close, compare
+from interop.testing import assert_bit_exact, assert_close, assert_fp8_close, compare, random_inputs
 from fusedkv_torch import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_torch import kernel as kernel_module
 from fusedkv_torch import ops as ops_module
@@ -611,7 +610,7 @@ def test_without_a_gpu_or_the_interpreter_the_error_says_to_set_triton_interpret
         import torch
         from fusedkv_torch import fused_kv_norm_rope
         from interop.exchange import to_torch
-        from interop.inputs import random_inputs
+        from interop.testing import random_inputs
         from interop.spec import FusedKVConfig
 
         inputs = random_inputs(FusedKVConfig(2, 64, 32), n_layers=2, total_ctx=3, max_position=16)

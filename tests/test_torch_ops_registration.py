@@ -10,8 +10,8 @@ import torch
 
 import fusedkv_torch.ops  # noqa: F401  (registers torch.ops.fusedkv)
 from interop.exchange import to_torch
-from interop.inputs import random_inputs
 from interop.spec import FusedKVConfig
+from interop.testing import random_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CONFIG = FusedKVConfig(2, 64, 32, "gptj")

@@ -5,11 +5,11 @@ import re
 import numpy as np
 import pytest
 
-from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_reference
 from interop.arrays import numpy_dtype
 from interop import spec
 from interop.spec import FusedKVConfig, check_arrays, validate_cache_call, validate_call
+from interop.testing import random_inputs
 
 CONFIG = FusedKVConfig(num_kv_heads=2, head_dim=8, rotary_dim=8)
 STATIC = dict(num_kv_heads=2, head_dim=8, rotary_dim=8)

@@ -9,10 +9,9 @@ from typing import Callable
 
 from interop.command.backends import BackendUnavailable, gpu_framework, place_inputs, run_backend
 from interop.dispatch import BACKENDS
-from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_reference
 from interop.spec import FusedKVConfig
-from interop.tolerance import bit_mismatches, compare
+from interop.testing import bit_mismatches, compare, random_inputs
 
 DEFAULT_TOKENS_GPU = 4096
 DEFAULT_TOKENS_CPU = 16
