@@ -7,7 +7,7 @@ over ``kv`` (the same bytes read and written: the floor under the kernel), and t
 paged-cache entry point (bf16 and fp8 caches of twice as many slots); then a sweep of
 tiles (``block_tokens``, ``block_heads``, ``num_warps``) at every size.
 
-Timing (METHOD.md): device time, not host dispatch. Each step is run many times under
+Timing (the measurement method in BENCHMARKS.md): device time, not host dispatch. Each step is run many times under
 ``jax.profiler`` and the GPU's own kernel durations are read back from the trace
 (``jax.profiler.ProfileData``); a step's time is the sum of the kernels it launched,
 and the row gives the median over steps with the 10th-90th percentile spread. If the

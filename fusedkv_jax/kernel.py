@@ -1,6 +1,6 @@
 """Fused K/V materialization for all draft layers: one Pallas GPU kernel, two entry points.
 
-Per token ``t``, layer ``l``, head ``h`` (DESIGN.md section 1), in fp32 with one rounding:
+Per token ``t``, layer ``l``, head ``h`` (CONTRACT.md, Math), in fp32 with one rounding:
 ``kn = k * rsqrt(mean(k*k) + eps[l]) * k_norm_weight[l]``, RoPE on the first
 ``rotary_dim`` dims of ``kn`` by the cos/sin row of ``positions[t]`` (``neox``:
 halves, ``gptj``: interleaved pairs), the remaining dims of ``kn`` unrotated, and V

@@ -78,7 +78,7 @@ def fused_kv_norm_rope(
     """RMSNorm + RoPE on K, V passed through, on any framework's arrays.
 
     ``kn = k * rsqrt(mean(k*k) + eps[l]) * k_norm_weight[l]``, RoPE on the first
-    ``rotary_dim`` dims of ``kn``, ``v_out = v``; DESIGN.md section 1.
+    ``rotary_dim`` dims of ``kn``, ``v_out = v``; CONTRACT.md, Math.
 
     Args:
       kv: bf16/fp16/fp32[total_ctx, n_layers, 2*kv_size], any object with ``__dlpack__``.

@@ -132,13 +132,12 @@ def ulp(values: np.ndarray, dtype: str) -> np.ndarray:
     """The spacing of ``dtype`` above each |value| (as fp64); NaN and Inf count as 0."""
     finite = np.nan_to_num(np.asarray(values, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
     typed = np.abs(finite).astype(numpy_dtype(dtype))
-    # ml_dtypes has no nextafter: step the bit pattern of the non-negative value by one.
-    width = {1: np.uint8, 2: np.uint16, 4: np.uint32}[typed.dtype.itemsize]
-    above = (typed.view(width) + width(1)).view(typed.dtype).astype(np.float64)
-    below = (typed.view(width) - width(1)).view(typed.dtype).astype(np.float64)
-    step = above - typed.astype(np.float64)
-    # Above the largest finite value lies Inf (NaN for float8_e4m3fn): use the step below.
-    return np.where(np.isfinite(step), step, typed.astype(np.float64) - below)
+    with np.errstate(over="ignore", invalid="ignore"):
+        step = np.spacing(typed).astype(np.float64)
+        # Above the largest finite value lies Inf (NaN for float8_e4m3fn): use the step
+        # below, the spacing of its binade, twice the spacing of half the value.
+        step_below = 2 * np.spacing(typed / typed.dtype.type(2)).astype(np.float64)
+    return np.where(np.isfinite(step), step, step_below)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Every validation message of DESIGN.md section 1, word for word, in its order."""
+"""Every validation message of CONTRACT.md (Validation), word for word, in its order."""
 
 import re
 

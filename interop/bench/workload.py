@@ -16,7 +16,7 @@ from interop.bench.shapes import MAX_POSITION, BenchShape
 from interop.exchange import to_framework
 from interop.testing import random_inputs
 
-# The H200's L2 (DESIGN.md section 3), used only where torch cannot read the device's.
+# The H200's L2 (60 MiB), used only where torch cannot read the device's.
 FALLBACK_L2_BYTES = 60 * 2**20
 MAX_INPUT_SETS = 64
 
