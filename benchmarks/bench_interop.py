@@ -17,7 +17,7 @@ from benchmarks.measure import DRAFT, DRAFT_STATIC, N_LAYERS
 from interop import dispatch
 from interop.bench.timers import host_seconds_per_call
 from interop.exchange import to_torch
-from interop.inputs import random_inputs
+from interop.testing import random_inputs
 
 TOTAL_CTX = 16
 

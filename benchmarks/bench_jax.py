@@ -7,7 +7,7 @@ over ``kv`` (the same bytes read and written: the floor under the kernel), and t
 paged-cache entry point (bf16 and fp8 caches of twice as many slots); then a sweep of
 tiles (``block_tokens``, ``block_heads``, ``num_warps``) at every size.
 
-Timing (METHOD.md): device time, not host dispatch. Each step is run many times under
+Timing (the measurement method in BENCHMARKS.md): device time, not host dispatch. Each step is run many times under
 ``jax.profiler`` and the GPU's own kernel durations are read back from the trace
 (``jax.profiler.ProfileData``); a step's time is the sum of the kernels it launched,
 and the row gives the median over steps with the 10th-90th percentile spread. If the
@@ -44,8 +44,8 @@ from interop.bench.check import verdict
 from interop.bench.shapes import MAX_POSITION
 from interop.bench.timers import COPY_BYTES, copy_bytes_per_second
 from interop.bench.workload import input_sets_needed
-from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
+from interop.testing import random_inputs
 
 SIZES = (16, 256, 4096, 32768)
 SWEEP_SIZES = (16, 256, 4096, 32768)

@@ -37,10 +37,9 @@ import numpy as np
 
 from fusedkv_jax import fused_kv_norm_rope
 from benchmarks.measure import copy_bytes_per_second
-from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_reference
 from interop.spec import FusedKVConfig
-from interop.tolerance import compare, bit_mismatches
+from interop.testing import bit_mismatches, compare, random_inputs
 
 SHAPES = {  # name: (n_layers, config)
     "draft": (5, FusedKVConfig(8, 128, 128, "neox")),

@@ -19,7 +19,7 @@ from the tree (``PYTHONPATH=.``). Rows, all bf16 unless named:
   launched through ``kernel[grid]`` as a yardstick;
 * ``alternated``: candidate tiles at 16, 256 and 512 tokens under graph replay, in
   alternation over four rounds (their differences are within one run's spread);
-* ``sweep``: (block_tokens, heads_per_program, num_warps) tiles: graph replay at 16 and
+* ``sweep``: (block_tokens, block_heads, num_warps) tiles: graph replay at 16 and
   256 tokens, do_bench at 4096 and 32768, head_dim 256 at 4096, the fp8 cache.
 
 Inputs are random (kv gaussian, positions uniform over the cos/sin table), outputs are
@@ -47,7 +47,7 @@ import triton.language as tl
 from benchmarks.measure import DRAFT, N_LAYERS, Row, format_table, guarded
 from fusedkv_torch import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_torch import kernel as kernel_module
-from fusedkv_torch.kernel import default_launch_shape, launch
+from fusedkv_torch.kernel import default_tile, launch
 from interop.arrays import as_numpy
 from interop.bench.baselines import torch_reference_math
 from interop.bench.check import checked_rows, op_verdict, verdict
@@ -136,9 +136,9 @@ def time_call(call, count: int, method: str) -> float:
 
 
 def tile_label(case: Case, tile: dict | None) -> str:
-    block, heads, warps = default_launch_shape(case.total_ctx, case.config.num_kv_heads, case.config.head_dim)
+    block, heads, warps = default_tile(case.total_ctx, case.config.num_kv_heads, case.config.head_dim)
     tile = tile or {}
-    label = (f"bt={tile.get('block_tokens', block)},hpp={tile.get('heads_per_program', heads)},"
+    label = (f"bt={tile.get('block_tokens', block)},bh={tile.get('block_heads', heads)},"
              f"nw={tile.get('num_warps', warps)}")
     if tile.get("dependent_launch") is False:
         label += ",no PDL"
@@ -327,8 +327,8 @@ def compiled_launcher_alone(case: Case, inputs: InputSet):
     return call
 
 
-# (block_tokens, heads_per_program, num_warps) per size, around the defaults (see
-# fusedkv_torch.kernel.default_launch_shape); [32, 1, 128] tiles of 4 warps were the
+# (block_tokens, block_heads, num_warps) per size, around the defaults (see
+# fusedkv_torch.kernel.default_tile); [32, 1, 128] tiles of 4 warps were the
 # defaults in the first session.
 SWEEP_TILES = {
     16: [(1, 1, 1), (1, 2, 1), (1, 1, 2), (1, 8, 2), (2, 1, 1)],
@@ -343,8 +343,8 @@ HD256_TILES = [(1, 8, 2), (1, 8, 4), (2, 8, 4), (2, 8, 8), (16, 1, 8)]
 FP8_TILES = [(1, 8, 1), (1, 8, 2), (1, 8, 4), (2, 8, 4)]
 
 
-def as_tile(block_tokens: int, heads_per_program: int, num_warps: int) -> dict:
-    return dict(block_tokens=block_tokens, heads_per_program=heads_per_program, num_warps=num_warps)
+def as_tile(block_tokens: int, block_heads: int, num_warps: int) -> dict:
+    return dict(block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps)
 
 
 VARIANTS = (

@@ -17,7 +17,7 @@ from typing import Callable
 from interop.bench.report import aligned
 from interop.bench.shapes import DRAFT_SHAPE
 
-# The draft every script measures (DESIGN.md section 4): a 5-layer draft of a
+# The draft every script measures (``interop.bench.shapes.DRAFT_SHAPE``): a 5-layer draft of a
 # Qwen3-8B-sized target, bf16.
 DRAFT = DRAFT_SHAPE.config
 N_LAYERS = DRAFT_SHAPE.n_layers

@@ -1,6 +1,6 @@
 """Fused K/V materialization for all draft layers: one Pallas GPU kernel, two entry points.
 
-Per token ``t``, layer ``l``, head ``h`` (DESIGN.md section 1), in fp32 with one rounding:
+Per token ``t``, layer ``l``, head ``h`` (CONTRACT.md, Math), in fp32 with one rounding:
 ``kn = k * rsqrt(mean(k*k) + eps[l]) * k_norm_weight[l]``, RoPE on the first
 ``rotary_dim`` dims of ``kn`` by the cos/sin row of ``positions[t]`` (``neox``:
 halves, ``gptj``: interleaved pairs), the remaining dims of ``kn`` unrotated, and V
@@ -206,10 +206,12 @@ def _fused_kv_kernel(
                value, mask=store_ok)
 
 
-def _tile(total_ctx, n_layers, num_kv_heads, head_dim, block_tokens, block_heads, num_warps,
-          interpret=False):
-    """``(block_tokens, block_heads, num_warps)``: the overrides given, the rest chosen
-    (``interpret``: few, large programs)."""
+def default_tile(total_ctx: int, n_layers: int, num_kv_heads: int, head_dim: int, *,
+                 block_tokens: int | None = None, block_heads: int | None = None,
+                 num_warps: int | None = None, interpret: bool = False) -> tuple[int, int, int]:
+    """``(block_tokens, block_heads, num_warps)`` for a call of this size: the overrides
+    given, the rest chosen (``interpret``: few, large programs). ``n_layers`` counts in
+    the number of programs, which sets how many tokens a tile takes."""
     block_tokens, block_heads, num_warps = (
         None if value is None else tile_argument(name, value)
         for name, value in (("block_tokens", block_tokens), ("block_heads", block_heads),
@@ -367,7 +369,9 @@ def fused_kv_norm_rope(
       cos_sin_cache: fp32[max_pos, rotary_dim], row p = cos values then sin values.
       positions: int32/int64[total_ctx]. With x64 off jax holds int64 as int32: a host
         (NumPy) int64 array is narrowed here with out-of-range values kept out of range;
-        a jax array is already int32.
+        a jax array is already int32. There is no ``check_positions`` (the torch backend
+        has one): raising on a position would need the values on the host, which a
+        traced call does not have.
       num_kv_heads, head_dim, rotary_dim, rope_style: static configuration (ints, a str).
       k_out, v_out: optional dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim];
         aliased to the outputs, so under ``jax.jit`` with these buffers donated the
@@ -375,7 +379,7 @@ def fused_kv_norm_rope(
         array given as both is refused, as are NumPy outputs the other backends would
         refuse (read-only, zero strides, memory shared with each other or ``kv``).
       block_tokens, block_heads, num_warps: tile overrides (powers of two) for tuning
-        the Triton lowering.
+        the Triton lowering; :func:`default_tile` otherwise.
       interpret: run in Pallas interpret mode; None means "when ``kv`` is on the CPU".
       lowering: ``"triton"``, ``"mosaic_gpu"``, or None for the default of the
         configuration (:func:`default_lowering`).
@@ -397,8 +401,9 @@ def fused_kv_norm_rope(
     # On the caller's own arrays: a NumPy array's memory is not seen once moved to jax.
     check_output_buffers(given_kv, outputs)
     interpret = _on_cpu(kv) if interpret is None else interpret
-    tile = _tile(call.total_ctx, call.n_layers, call.config.num_kv_heads, call.config.head_dim,
-                 block_tokens, block_heads, num_warps, interpret)
+    tile = default_tile(call.total_ctx, call.n_layers, call.config.num_kv_heads, call.config.head_dim,
+                        block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps,
+                        interpret=interpret)
     lowering = _lowering(lowering, call, kv.dtype, interpret,
                          tuned=(block_tokens, block_heads, num_warps) != (None, None, None))
     if call.total_ctx == 0:
@@ -507,8 +512,9 @@ def fused_kv_norm_rope_into_cache(
     )
     check_output_buffers(given_kv, caches)
     interpret = _on_cpu(kv) if interpret is None else interpret
-    tile = _tile(call.total_ctx, call.n_layers, call.config.num_kv_heads, call.config.head_dim,
-                 block_tokens, block_heads, num_warps, interpret)
+    tile = default_tile(call.total_ctx, call.n_layers, call.config.num_kv_heads, call.config.head_dim,
+                        block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps,
+                        interpret=interpret)
     if call.total_ctx == 0:
         return k_cache, v_cache
     positions = narrow_for_jax(positions)

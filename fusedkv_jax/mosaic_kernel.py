@@ -1,6 +1,6 @@
 """The fused K/V kernel on the Pallas **Mosaic GPU** lowering (Hopper TMA copies, no gathers).
 
-The math is :mod:`fusedkv_jax.kernel`'s (DESIGN.md section 1); this module holds the
+The math is :mod:`fusedkv_jax.kernel`'s (CONTRACT.md, Math); this module holds the
 kernel and its launcher only (validation stays in :mod:`interop.spec`, the public
 function and the choice of lowering in :mod:`fusedkv_jax.kernel`).
 

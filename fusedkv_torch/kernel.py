@@ -1,4 +1,4 @@
-"""Fused K/V materialization for every draft layer in one Triton launch.
+"""The Triton kernel of fused K/V materialization: every draft layer in one launch.
 
 For token t, layer l and KV head h, with all arithmetic in fp32 and one rounding at the end::
 
@@ -9,7 +9,7 @@ For token t, layer l and KV head h, with all arithmetic in fp32 and one rounding
 
 The kernel reads ``kv`` once and writes each output once; the cos/sin rows and weights
 it also reads are served from L2. It is bandwidth-bound, so each program moves a 3-D
-tile of ``BLOCK_T`` tokens by ``HEADS_PER_PROGRAM`` heads by ``head_dim`` with 16-byte
+tile of ``BLOCK_T`` tokens by ``BLOCK_HEADS`` heads by ``head_dim`` with 16-byte
 vector accesses, and the launcher sizes the tiles from ``total_ctx``. The grid is one
 axis of (token block, layer, head group) with the head group varying fastest: adjacent
 programs then read adjacent bytes of ``kv``, and one axis has room for the
@@ -21,6 +21,9 @@ memory before its first load (:func:`supports_dependent_launch`).
 
 The same kernel writes into a paged KV cache (``fused_kv_norm_rope_into_cache``): rows
 are then ``cache_loc[t]`` instead of ``t`` and an fp8 cache is quantized on the way.
+
+This module launches the kernel on validated arguments (:func:`launch`); the public
+functions, their validation and the registered torch ops are in :mod:`fusedkv_torch.ops`.
 """
 
 from __future__ import annotations
@@ -34,16 +37,7 @@ import triton.language as tl
 
 from fusedkv_torch.launcher import DirectLauncher
 from interop.reference import FP8_E4M3_MAX, SMALLEST_NORMAL_FP32
-from interop.spec import (
-    CallShape,
-    FusedKVConfig,
-    check_arrays,
-    check_output_buffers,
-    size_argument,
-    tile_argument,
-    validate_cache_call,
-    validate_call,
-)
+from interop.spec import FusedKVConfig, size_argument, tile_argument
 
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 _SMALLEST_NORMAL = tl.constexpr(SMALLEST_NORMAL_FP32)
@@ -117,7 +111,7 @@ def _fused_kv_norm_rope_kernel(
     v_stride_l, v_stride_row, v_stride_h, v_stride_d,
     N_LAYERS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
     GPTJ: tl.constexpr, TO_SLOTS: tl.constexpr, QUANTIZE_K: tl.constexpr, QUANTIZE_V: tl.constexpr,
-    BLOCK_T: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HEADS: tl.constexpr,
     PAIR_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, HEAD_BLOCK: tl.constexpr,
     DEPENDENT_LAUNCH: tl.constexpr,
 ):
@@ -127,17 +121,17 @@ def _fused_kv_norm_rope_kernel(
         # the one ahead (which may have written any input) has finished and flushed.
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    # Tiles are [BLOCK_T tokens, HEADS_PER_PROGRAM heads, dims]: every load of the program is
+    # Tiles are [BLOCK_T tokens, BLOCK_HEADS heads, dims]: every load of the program is
     # issued before any store, whatever the number of heads (a loop over heads could not
     # move the next head's loads above this head's stores, which might alias them).
     # int64 from the start: offsets into kv or a cache pass 2**31 elements in long contexts.
     pid = tl.program_id(0).to(tl.int64)
-    head_groups: tl.constexpr = NUM_HEADS // HEADS_PER_PROGRAM
+    head_groups: tl.constexpr = NUM_HEADS // BLOCK_HEADS
     head_group = pid % head_groups
     layer = (pid // head_groups) % N_LAYERS
     tokens = (pid // (head_groups * N_LAYERS)) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_context = tokens < total_ctx
-    heads = (head_group * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM))[None, :, None]
+    heads = (head_group * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS))[None, :, None]
 
     # Loads are masked by the context only and issued early, so no load waits on another
     # (rows skipped in a cache are read for nothing; padding is rare). Stores use `written`.
@@ -153,7 +147,7 @@ def _fused_kv_norm_rope_kernel(
     rows = rows[:, None, None]
     kv_rows = kv_ptr + tokens[:, None, None] * kv_stride_t + layer * kv_stride_l
     k_src = kv_rows + heads * (HEAD_DIM * kv_stride_d)
-    first, second = _load_rotary_halves(k_src, kv_stride_d, loaded, BLOCK_T, HEADS_PER_PROGRAM,
+    first, second = _load_rotary_halves(k_src, kv_stride_d, loaded, BLOCK_T, BLOCK_HEADS,
                                         PAIR_BLOCK, ROTARY_DIM, GPTJ)
     if TAIL_BLOCK > 0:
         tail_dims = ROTARY_DIM + tl.arange(0, TAIL_BLOCK)[None, None, :]
@@ -175,10 +169,10 @@ def _fused_kv_norm_rope_kernel(
     cos_sin_rows = (cos_sin_ptr + positions * cos_sin_stride_p)[:, None, None] + same_for_every_head
     cos, sin = _load_rotary_halves(cos_sin_rows, cos_sin_stride_d,
                                    (in_context & rotatable)[:, None, None] & everywhere,
-                                   BLOCK_T, HEADS_PER_PROGRAM, PAIR_BLOCK, ROTARY_DIM, False)
+                                   BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, ROTARY_DIM, False)
     weight_rows = k_norm_weight_ptr + layer * weight_stride_l + tokens[:, None, None] * 0 + same_for_every_head
     weight_first, weight_second = _load_rotary_halves(weight_rows, weight_stride_d, everywhere,
-                                                      BLOCK_T, HEADS_PER_PROGRAM, PAIR_BLOCK, ROTARY_DIM, GPTJ)
+                                                      BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, ROTARY_DIM, GPTJ)
     if TAIL_BLOCK > 0:
         weight_tail = tl.load(weight_rows + tail_dims * weight_stride_d, mask=everywhere & (tail_dims < HEAD_DIM),
                               other=0.0).to(tl.float32)
@@ -223,7 +217,7 @@ def _fused_kv_norm_rope_kernel(
     _store_rotary_halves(k_dst, k_stride_d,
                          _to_destination(rotated_first, k_scale, k_inverse_scale, k_dtype, QUANTIZE_K),
                          _to_destination(rotated_second, k_scale, k_inverse_scale, k_dtype, QUANTIZE_K),
-                         written, BLOCK_T, HEADS_PER_PROGRAM, PAIR_BLOCK, ROTARY_DIM, GPTJ)
+                         written, BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, ROTARY_DIM, GPTJ)
     if TAIL_BLOCK > 0:
         tl.store(k_dst + tail_dims * k_stride_d,
                  _to_destination(tail * inv_rms * weight_tail, k_scale, k_inverse_scale, k_dtype, QUANTIZE_K),
@@ -241,9 +235,9 @@ def _next_power_of_2(n: int) -> int:
 _INTERPRETED_TILE_ELEMENTS = 1 << 20
 
 
-def default_launch_shape(total_ctx: int, num_kv_heads: int, head_dim: int, *,
-                         interpreted: bool = False) -> tuple[int, int, int]:
-    """``(block_tokens, heads_per_program, num_warps)`` for a call of this size.
+def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *,
+                 interpret: bool = False) -> tuple[int, int, int]:
+    """``(block_tokens, block_heads, num_warps)`` for a call of this size.
 
     Three regimes, chosen on the H200 by graph replay of every candidate tile in
     alternated rounds beside a copy of the same bytes (BENCHMARKS.md): short contexts
@@ -252,24 +246,24 @@ def default_launch_shape(total_ctx: int, num_kv_heads: int, head_dim: int, *,
     contexts, one-token tiles of up to 8 heads (16 elements of K and 16 of V per
     thread). Fewer heads per program take more tokens, for tiles of about 8 rows.
 
-    ``interpreted`` (``TRITON_INTERPRET=1``): few, large programs instead, of as many
+    ``interpret`` (``TRITON_INTERPRET=1``): few, large programs instead, of as many
     tokens as fit ``_INTERPRETED_TILE_ELEMENTS``.
     """
-    if interpreted:
-        heads_per_program = num_kv_heads & -num_kv_heads  # the largest power of two dividing the heads
-        fitting = max(1, _INTERPRETED_TILE_ELEMENTS // (heads_per_program * _next_power_of_2(head_dim)))
+    if interpret:
+        block_heads = num_kv_heads & -num_kv_heads  # the largest power of two dividing the heads
+        fitting = max(1, _INTERPRETED_TILE_ELEMENTS // (block_heads * _next_power_of_2(head_dim)))
         block_tokens = min(_next_power_of_2(max(1, total_ctx)), 1 << (fitting.bit_length() - 1))
-        return block_tokens, heads_per_program, 1
+        return block_tokens, block_heads, 1
     if total_ctx < _SHORT_CONTEXT_END:
         return 2, 1, 1
-    heads_per_program = min(8, num_kv_heads & -num_kv_heads)  # the largest power of two dividing the heads
+    block_heads = min(8, num_kv_heads & -num_kv_heads)  # the largest power of two dividing the heads
     four_token_tiles = _FOUR_TOKEN_TILES[0] <= total_ctx < _FOUR_TOKEN_TILES[1]
-    block_tokens = max(1, 8 // heads_per_program) * (4 if four_token_tiles else 1)
-    num_warps = max(1, min(8, block_tokens * heads_per_program * _next_power_of_2(head_dim) // 512))
-    return block_tokens, heads_per_program, num_warps
+    block_tokens = max(1, 8 // block_heads) * (4 if four_token_tiles else 1)
+    num_warps = max(1, min(8, block_tokens * block_heads * _next_power_of_2(head_dim) // 512))
+    return block_tokens, block_heads, num_warps
 
 
-# Token counts where the tile regimes of default_launch_shape change (H200, draft shape):
+# Token counts where the tile regimes of default_tile change (H200, draft shape):
 # two-token one-head tiles won up to 96 tokens and lost to one-token tiles of 8 heads at 128;
 # four-token tiles won at 256 and lost at 192 and 384.
 _SHORT_CONTEXT_END = 128
@@ -278,23 +272,23 @@ _FOUR_TOKEN_TILES = (256, 384)
 
 @functools.lru_cache(maxsize=4096)
 def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, to_slots: bool, quantize_k: bool,
-          quantize_v: bool, block_tokens: Optional[int], heads_per_program: Optional[int],
+          quantize_v: bool, block_tokens: Optional[int], block_heads: Optional[int],
           num_warps: Optional[int], dependent_launch: bool) -> tuple[int, tuple, int, bool]:
     """``(grid, constexpr values in kernel order, num_warps, dependent_launch)`` of a launch."""
-    default_block, default_heads, default_warps = default_launch_shape(
-        total_ctx, config.num_kv_heads, config.head_dim, interpreted=_launcher.interpreted)
+    default_block, default_heads, default_warps = default_tile(
+        total_ctx, config.num_kv_heads, config.head_dim, interpret=_launcher.interpreted)
     block_tokens = block_tokens or default_block
-    heads_per_program = heads_per_program or default_heads
-    if config.num_kv_heads % heads_per_program or heads_per_program & (heads_per_program - 1):
-        raise ValueError(f"Invalid heads_per_program for fused KV materialization: got "
-                         f"{heads_per_program}, expected a power of two that divides {config.num_kv_heads}.")
+    block_heads = block_heads or default_heads
+    if config.num_kv_heads % block_heads or block_heads & (block_heads - 1):
+        raise ValueError(f"Invalid block_heads for fused KV materialization: got "
+                         f"{block_heads}, expected a power of two that divides {config.num_kv_heads}.")
     tail = config.head_dim - config.rotary_dim
     constexprs = (
         n_layers, config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style == "gptj",
-        to_slots, quantize_k, quantize_v, block_tokens, heads_per_program, _next_power_of_2(config.rotary_dim // 2),
+        to_slots, quantize_k, quantize_v, block_tokens, block_heads, _next_power_of_2(config.rotary_dim // 2),
         _next_power_of_2(tail) if tail else 0, _next_power_of_2(config.head_dim), dependent_launch,
     )
-    grid = -(-total_ctx // block_tokens) * n_layers * (config.num_kv_heads // heads_per_program)
+    grid = -(-total_ctx // block_tokens) * n_layers * (config.num_kv_heads // block_heads)
     return grid, constexprs, num_warps or default_warps, dependent_launch
 
 
@@ -345,7 +339,7 @@ def launch(
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
     block_tokens: Optional[int] = None,
-    heads_per_program: Optional[int] = None,
+    block_heads: Optional[int] = None,
     num_warps: Optional[int] = None,
     dependent_launch: Optional[bool] = None,
 ) -> None:
@@ -353,305 +347,18 @@ def launch(
 
     ``k_dst``/``v_dst`` are ``[n_layers, rows, num_kv_heads, head_dim]``: the outputs
     (row t for token t) or, with ``cache_loc``, the caches (row ``cache_loc[t]``).
-    ``block_tokens``, ``heads_per_program`` (a power of two dividing the heads) and
-    ``num_warps`` (powers of two) override :func:`default_launch_shape` (benchmark
+    ``block_tokens``, ``block_heads`` (a power of two dividing the heads) and
+    ``num_warps`` (powers of two) override :func:`default_tile` (benchmark
     sweeps); they are the only arguments checked here. ``dependent_launch`` overrides
     :func:`supports_dependent_launch`.
     """
     # Before the plan's cache, which would take 2.0 for 2.
     block_tokens = None if block_tokens is None else tile_argument("block_tokens", block_tokens)
-    heads_per_program = None if heads_per_program is None else size_argument("heads_per_program", heads_per_program)
+    block_heads = None if block_heads is None else size_argument("block_heads", block_heads)
     num_warps = None if num_warps is None else tile_argument("num_warps", num_warps)
     total_ctx, n_layers, _ = kv.shape
     if dependent_launch is None:
         dependent_launch = supports_dependent_launch(kv.device)
     plan = _plan(config, total_ctx, n_layers, cache_loc is not None, k_scale is not None, v_scale is not None,
-                 block_tokens, heads_per_program, num_warps, dependent_launch)
+                 block_tokens, block_heads, num_warps, dependent_launch)
     _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dst, v_dst, cache_loc, k_scale, v_scale)
-
-
-# The registered ops: the kernel launch as torch.compile and CUDA graphs see it. A custom op
-# may not return an alias of an input, so they write into the given buffers and return nothing.
-@torch.library.custom_op("fusedkv::write_fused_kv_norm_rope", mutates_args=("k_out", "v_out"))
-def _write_fused_kv_norm_rope(
-    kv: torch.Tensor, k_norm_weight: torch.Tensor, eps: torch.Tensor, cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
-    num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str,
-) -> None:
-    # Traced calls are validated while tracing, when addresses are not known yet: here they are.
-    check_output_buffers(kv, (("k_out", k_out), ("v_out", v_out)))
-    launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
-           config=FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style))
-
-
-@_write_fused_kv_norm_rope.register_fake
-def _write_fused_kv_norm_rope_fake(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
-                                   num_kv_heads, head_dim, rotary_dim, rope_style):
-    return None
-
-
-@torch.library.custom_op("fusedkv::write_fused_kv_norm_rope_into_cache",
-                         mutates_args=("k_cache", "v_cache"))
-def _write_fused_kv_norm_rope_into_cache(
-    kv: torch.Tensor, k_norm_weight: torch.Tensor, eps: torch.Tensor, cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor, cache_loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str,
-    k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
-) -> None:
-    check_output_buffers(kv, (("k_cache", k_cache), ("v_cache", v_cache)))
-    launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_cache, v_cache,
-           config=FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style),
-           cache_loc=cache_loc, k_scale=k_scale, v_scale=v_scale)
-
-
-@_write_fused_kv_norm_rope_into_cache.register_fake
-def _write_fused_kv_norm_rope_into_cache_fake(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc,
-                                              k_cache, v_cache, num_kv_heads, head_dim, rotary_dim,
-                                              rope_style, k_scale, v_scale):
-    return None
-
-
-# Validation of shapes, dtypes and devices (interop.spec) costs more host time than the
-# launch: an eager call whose metadata passed before is not checked again, and its launch
-# plan and compiled kernels are kept with it (the metadata names every tensor's dtype and
-# device, as DirectLauncher's ``compiled`` needs, and the sizes' types, since 2.0 == 2).
-# What metadata cannot tell is checked on every call: that each argument is a tensor
-# (before the metadata is read), and that the outputs overlap neither each other nor kv
-# (addresses). Rejected metadata is never remembered, so a bad call raises every time.
-# Traced calls (torch.compile) validate every time and go through the registered op, so
-# the graph records the mutation, and the op checks the outputs' memory when it runs;
-# eager calls skip the op, whose dispatcher costs more host time than the launch.
-_PREPARED_CALLS: dict[tuple, tuple[CallShape, tuple, dict]] = {}
-_MAX_PREPARED_CALLS = 4096
-
-
-def _check_runnable(device: torch.device) -> None:
-    """Refuse a call the launcher could only end in an assertion: tensors off the GPU
-    while Triton compiles for one (its interpreter, which runs on the CPU, is chosen
-    by ``TRITON_INTERPRET=1`` when the kernel is defined, at import)."""
-    if device.type != "cuda" and not _launcher.interpreted:
-        raise ValueError(
-            f"Invalid kv device for fused KV materialization: got device={device}, expected a CUDA "
-            "device (to run the Triton kernel on the CPU, set TRITON_INTERPRET=1 before "
-            "fusedkv_torch is imported)."
-        )
-
-
-def _prepared(metadata: tuple, validate, device: torch.device, to_slots: bool, quantize_k: bool,
-              quantize_v: bool, tracing: bool) -> tuple[CallShape, tuple, dict]:
-    """``(validate(), launch plan, compiled kernels)``, the first two computed once per ``metadata``."""
-    if tracing:
-        call = validate()
-        _check_runnable(device)
-        return call, None, None
-    try:
-        prepared = _PREPARED_CALLS.get(metadata)
-    except TypeError:  # an unhashable argument, which validation refuses below
-        prepared = None
-    if prepared is None:
-        call = validate()
-        _check_runnable(device)
-        plan = _plan(call.config, call.total_ctx, call.n_layers, to_slots, quantize_k, quantize_v,
-                     None, None, None, supports_dependent_launch(device))
-        if len(_PREPARED_CALLS) >= _MAX_PREPARED_CALLS:
-            _PREPARED_CALLS.clear()
-        prepared = _PREPARED_CALLS[metadata] = (call, plan, {})
-    return prepared
-
-
-def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
-                 rope_style, k_out, v_out) -> tuple[CallShape, tuple, dict]:
-    """A :func:`fused_kv_norm_rope` call validated: ``(call, plan, compiled)``, plan None when traced."""
-    outputs = (("k_out", k_out), ("v_out", v_out))
-    tracing = torch.compiler.is_compiling()
-    if not tracing:
-        check_arrays((("kv", kv), ("k_norm_weight", k_norm_weight), ("eps", eps),
-                      ("cos_sin_cache", cos_sin_cache), ("positions", positions), *outputs), "torch")
-    prepared = _prepared((
-        num_kv_heads, head_dim, rotary_dim, type(num_kv_heads), type(head_dim), type(rotary_dim), rope_style,
-        kv.shape, kv.dtype, kv.device,
-        k_norm_weight.shape, k_norm_weight.dtype, k_norm_weight.device, eps.shape, eps.dtype, eps.device,
-        cos_sin_cache.shape, cos_sin_cache.dtype, cos_sin_cache.device, positions.shape, positions.dtype,
-        None if k_out is None else (k_out.shape, k_out.dtype, k_out.device),
-        None if v_out is None else (v_out.shape, v_out.dtype, v_out.device),
-    ), lambda: validate_call(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        rotary_dim=rotary_dim, rope_style=rope_style, k_out=k_out, v_out=v_out, check_buffers=False,
-    ), kv.device, False, False, False, tracing)
-    if not tracing:
-        check_output_buffers(kv, outputs)
-    return prepared
-
-
-def prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-                       num_kv_heads, head_dim, rotary_dim, rope_style, k_scale,
-                       v_scale) -> tuple[CallShape, tuple, dict]:
-    """A :func:`fused_kv_norm_rope_into_cache` call validated, as :func:`prepare_call`."""
-    caches = (("k_cache", k_cache), ("v_cache", v_cache))
-    tracing = torch.compiler.is_compiling()
-    if not tracing:
-        check_arrays((("kv", kv), ("k_norm_weight", k_norm_weight), ("eps", eps),
-                      ("cos_sin_cache", cos_sin_cache), ("positions", positions), ("cache_loc", cache_loc),
-                      *caches, ("k_scale", k_scale), ("v_scale", v_scale)), "torch")
-    prepared = _prepared((
-        "cache", num_kv_heads, head_dim, rotary_dim, type(num_kv_heads), type(head_dim), type(rotary_dim),
-        rope_style, kv.shape, kv.dtype, kv.device,
-        k_norm_weight.shape, k_norm_weight.dtype, k_norm_weight.device, eps.shape, eps.dtype, eps.device,
-        cos_sin_cache.shape, cos_sin_cache.dtype, cos_sin_cache.device, positions.shape, positions.dtype,
-        cache_loc.shape, cache_loc.dtype,
-        k_cache.shape, k_cache.dtype, k_cache.device, v_cache.shape, v_cache.dtype, v_cache.device,
-        None if k_scale is None else (k_scale.shape, k_scale.dtype),
-        None if v_scale is None else (v_scale.shape, v_scale.dtype),
-    ), lambda: validate_cache_call(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
-        k_scale=k_scale, v_scale=v_scale, check_buffers=False,
-    ), kv.device, True, k_scale is not None, v_scale is not None, tracing)
-    if not tracing:
-        check_output_buffers(kv, caches)
-    return prepared
-
-
-def _check_positions_in_range(positions: torch.Tensor, max_position: int) -> None:
-    low, high = (int(value) for value in torch.aminmax(positions))  # the one host sync
-    if low < 0 or high >= max_position:
-        raise ValueError(
-            "Invalid positions for fused KV materialization: got values outside "
-            f"[0, {max_position}) (min {low}, max {high}), expected every position in "
-            f"[0, {max_position})."
-        )
-
-
-def write_prepared_call(prepared, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
-                        check_positions) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op on a call that :func:`prepare_call` accepted (the materializer validates
-    before its GEMM and writes after it)."""
-    call, plan, compiled = prepared
-    if positions.device != kv.device:
-        positions = positions.to(kv.device, non_blocking=True)
-    if check_positions and call.total_ctx:
-        _check_positions_in_range(positions, call.max_position)
-    if k_out is None:
-        k_out = kv.new_empty(call.output_shape)
-    if v_out is None:
-        v_out = kv.new_empty(call.output_shape)
-    if call.total_ctx == 0:
-        return k_out, v_out
-    if plan is None:
-        config = call.config
-        torch.ops.fusedkv.write_fused_kv_norm_rope(
-            kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
-            config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style)
-    else:
-        _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, None, None, None,
-                compiled)
-    return k_out, v_out
-
-
-def write_prepared_cache_call(prepared, kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache,
-                              v_cache, k_scale, v_scale) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op into a cache on a call that :func:`prepare_cache_call` accepted."""
-    call, plan, compiled = prepared
-    if call.total_ctx == 0:
-        return k_cache, v_cache
-    device = kv.device
-    if positions.device != device:
-        positions = positions.to(device, non_blocking=True)
-    if cache_loc.device != device:
-        cache_loc = cache_loc.to(device, non_blocking=True)
-    if k_scale is not None:
-        k_scale = k_scale.to(device)
-    if v_scale is not None:
-        v_scale = v_scale.to(device)
-    if plan is None:
-        config = call.config
-        torch.ops.fusedkv.write_fused_kv_norm_rope_into_cache(
-            kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-            config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style, k_scale, v_scale)
-    else:
-        _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_cache, v_cache, cache_loc,
-                k_scale, v_scale, compiled)
-    return k_cache, v_cache
-
-
-def fused_kv_norm_rope(
-    kv: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    eps: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
-    *,
-    num_kv_heads: int,
-    head_dim: int,
-    rotary_dim: int,
-    rope_style: str = "neox",
-    k_out: Optional[torch.Tensor] = None,
-    v_out: Optional[torch.Tensor] = None,
-    check_positions: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm + RoPE on K, V passed through, for all layers (formula in the module docstring).
-
-    All arrays are torch tensors (other frameworks' arrays: ``interop.fused_kv_norm_rope``);
-    ``num_kv_heads``, ``head_dim`` and ``rotary_dim`` are ints.
-
-    Args:
-      kv: bf16/fp16/fp32[total_ctx, n_layers, 2*kv_size], per token and layer all K heads
-        then all V heads; any strides (a slice of a GEMM workspace is read in place).
-      k_norm_weight: float[n_layers, head_dim].
-      eps: fp32[n_layers].
-      cos_sin_cache: fp32[max_pos, rotary_dim], row p = rotary_dim/2 cos values then sin values.
-      positions: int32/int64[total_ctx], any device (moved to kv's). A position outside
-        [0, max_pos) gives an all-NaN K row, unless ``check_positions`` raises for it.
-      k_out, v_out: optional dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim], any
-        strides but zero (views into a bigger cache), written in place; sharing memory
-        with each other or with ``kv`` is refused.
-      check_positions: raise ``ValueError`` for out-of-range positions; this syncs with
-        the device, so it is off by default and cannot be used under CUDA graph capture.
-
-    Returns:
-      ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim].
-    """
-    return write_prepared_call(
-        prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
-                     rope_style, k_out, v_out),
-        kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, check_positions)
-
-
-def fused_kv_norm_rope_into_cache(
-    kv: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    eps: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
-    cache_loc: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    *,
-    num_kv_heads: int,
-    head_dim: int,
-    rotary_dim: int,
-    rope_style: str = "neox",
-    k_scale: Optional[torch.Tensor] = None,
-    v_scale: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`fused_kv_norm_rope` written straight into a paged KV cache, one launch.
-
-    ``k_cache[l, cache_loc[t]]`` and ``v_cache[l, cache_loc[t]]`` receive token t's K and V
-    for every layer l. Slots outside [0, num_slots) (negative ones are padding) are
-    skipped without a device sync.
-
-    Args (beyond :func:`fused_kv_norm_rope`'s):
-      cache_loc: int32/int64[total_ctx], any device (moved to kv's).
-      k_cache, v_cache: dtype-of-kv or float8_e4m3fn[n_layers, num_slots, num_kv_heads,
-        head_dim], any strides but zero, written in place; sharing memory with each other
-        or with ``kv`` is refused.
-      k_scale, v_scale: fp32[n_layers], only for a float8_e4m3fn cache, which then holds
-        ``value / scale`` saturated to +-448, rounded once from fp32.
-
-    Returns:
-      ``(k_cache, v_cache)``.
-    """
-    return write_prepared_cache_call(
-        prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-                           num_kv_heads, head_dim, rotary_dim, rope_style, k_scale, v_scale),
-        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale, v_scale)

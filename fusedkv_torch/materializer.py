@@ -2,7 +2,7 @@
 
 ``kv = ctx_hidden @ W^T`` with the K/V projection weights of all layers stacked, so
 the GEMM's output ``[total_ctx, n_layers * 2*kv_size]`` is, without a copy, the op's
-``kv: [total_ctx, n_layers, 2*kv_size]``; then the op of ``fusedkv_torch.kernel``
+``kv: [total_ctx, n_layers, 2*kv_size]``; then the op of ``fusedkv_torch.ops``
 (RMSNorm and RoPE on K, V passed through) returns the result, hands it to a per-layer
 callback, or scatters it straight into a paged KV cache.
 
@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import torch
 
 # The op in its two steps, so that a bad call is rejected before the GEMM launches.
-from fusedkv_torch.kernel import prepare_cache_call, prepare_call, write_prepared_cache_call, write_prepared_call
+from fusedkv_torch.ops import prepare_cache_call, prepare_call
 from interop.materializer_spec import LayerKV, validate_layers, validate_materialize
 from interop.spec import check_arrays
 
@@ -170,7 +170,7 @@ class FusedKVMaterializer:
         op_args = (kv, self.k_norm_weight, self.eps, self.cos_sin_cache, positions)
         prepared = prepare_call(*op_args, *self._op_static, k_out, v_out)
         self._project_into(gemm_out, ctx_hidden)
-        return write_prepared_call(prepared, *op_args, k_out, v_out, False)
+        return prepared.launch(*op_args, k_out, v_out, False)
 
     def materialize_layers(
         self,
@@ -227,7 +227,7 @@ class FusedKVMaterializer:
                    cache_loc, stacked_k, stacked_v)
         prepared = prepare_cache_call(*op_args, *self._op_static, k_scale, v_scale)
         self._project_into(gemm_out, ctx_hidden)
-        write_prepared_cache_call(prepared, *op_args, k_scale, v_scale)
+        prepared.launch_into_cache(*op_args, k_scale, v_scale)
         return k_cache, v_cache
 
     def _grow_workspace(self, numel: int) -> None:

@@ -10,7 +10,7 @@ from interop.reference import (
     rope_cos_sin_cache,
 )
 from interop.spec import FusedKVConfig, validate_cache_call, validate_call
-from interop.tolerance import TOLERANCES, assert_bit_exact, assert_close, compare
+from interop.testing import TOLERANCES, assert_bit_exact, assert_close, compare
 
 __version__ = "0.1.0"
 

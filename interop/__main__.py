@@ -1,5 +1,5 @@
 import sys
 
-from interop.cli import main
+from interop.command.cli import main
 
 sys.exit(main())

@@ -31,17 +31,13 @@ BACKENDS = ("torch", "jax")
 def load_backend(name: str):
     """The kernel package of ``name`` (``fusedkv_torch`` or ``fusedkv_jax``), imported once.
 
-    Without a GPU, Triton runs in interpret mode; Triton reads ``TRITON_INTERPRET`` when
-    a kernel is decorated, so it is set here before ``fusedkv_torch`` is first imported.
+    The environment is the caller's: without a GPU, the torch backend runs only where
+    ``TRITON_INTERPRET=1`` was set before ``fusedkv_torch`` was imported, and otherwise
+    refuses its call with a ``ValueError`` that says so (the ``fusedkv`` command sets it).
     """
     if name not in BACKENDS:
         raise ValueError(f"Invalid backend for fused KV materialization: got {name!r}, "
                          f"expected one of {BACKENDS + ('auto',)}.")
-    if name == "torch" and "fusedkv_torch" not in importlib.sys.modules:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ.setdefault("TRITON_INTERPRET", "1")
     return importlib.import_module(f"fusedkv_{name}")
 
 
@@ -82,7 +78,7 @@ def fused_kv_norm_rope(
     """RMSNorm + RoPE on K, V passed through, on any framework's arrays.
 
     ``kn = k * rsqrt(mean(k*k) + eps[l]) * k_norm_weight[l]``, RoPE on the first
-    ``rotary_dim`` dims of ``kn``, ``v_out = v``; DESIGN.md section 1.
+    ``rotary_dim`` dims of ``kn``, ``v_out = v``; CONTRACT.md, Math.
 
     Args:
       kv: bf16/fp16/fp32[total_ctx, n_layers, 2*kv_size], any object with ``__dlpack__``.

@@ -23,7 +23,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from interop.arrays import as_numpy, numpy_dtype
-from interop.inputs import random_inputs
 from interop.reference import (
     fused_kv_norm_rope_into_cache_reference,
     fused_kv_norm_rope_reference,
@@ -37,6 +36,7 @@ from interop.spec import (
     size_argument,
     validate_call,
 )
+from interop.testing import random_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,7 +316,7 @@ def materializer_reference(layers, ctx_hidden, positions, cos_sin_cache=None):
     """The materializer in NumPy: kv = ctx_hidden @ W_l^T in fp32 for every layer, then the op.
 
     ``ctx_hidden`` is first rounded to the weights' dtype, as the materializers do; kv
-    is not (compare with :data:`interop.tolerance.END_TO_END_TOLERANCE`). Returns ``(k, v)``, each
+    is not (compare with :data:`interop.testing.END_TO_END_TOLERANCE`). Returns ``(k, v)``, each
     weights-dtype[n_layers, total_ctx, num_kv_heads, head_dim].
     """
     config = validate_layers(layers, cos_sin_cache)

@@ -214,7 +214,7 @@ def validate_call(
     v_out=None,
     check_buffers: bool = True,
 ) -> CallShape:
-    """Check one call against DESIGN.md section 1; raise on the first problem.
+    """Check one call against CONTRACT.md (Validation); raise on the first problem.
 
     Order (users grep for these messages): the sizes (``num_kv_heads`` and
     ``head_dim`` positive ints, ``rotary_dim`` an int), then kv rank, kv trailing

@@ -54,14 +54,13 @@ from fusedkv_jax.materializer import FusedKVMaterializer as JaxMaterializer  # n
 from fusedkv_torch.materializer import FusedKVMaterializer as TorchMaterializer  # noqa: E402
 from interop.arrays import as_numpy, numpy_dtype  # noqa: E402
 from interop.exchange import to_jax, to_torch  # noqa: E402
-from interop.inputs import random_inputs  # noqa: E402
 from interop.materializer_spec import random_case, stacked_op_arrays  # noqa: E402
 from interop.reference import (  # noqa: E402
     fused_kv_norm_rope_into_cache_reference,
     fused_kv_norm_rope_reference,
 )
 from interop.spec import FusedKVConfig  # noqa: E402
-from interop.tolerance import assert_bit_exact, assert_close  # noqa: E402
+from interop.testing import assert_bit_exact, assert_close, random_inputs  # noqa: E402
 
 MIB = 2**20
 LIVE_SLACK = 1 * MIB

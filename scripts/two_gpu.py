@@ -56,10 +56,9 @@ import torch  # noqa: E402
 
 from benchmarks.measure import DRAFT, DRAFT_STATIC, MAX_POSITION, N_LAYERS, graph_replay_seconds  # noqa: E402
 from interop.arrays import as_numpy, numpy_dtype  # noqa: E402
-from interop.inputs import random_inputs  # noqa: E402
 from interop.materializer_spec import head_parallel_layers, random_case, stacked_op_arrays  # noqa: E402
 from interop.reference import fused_kv_norm_rope_reference  # noqa: E402
-from interop.tolerance import END_TO_END_TOLERANCE, bit_mismatches, compare  # noqa: E402
+from interop.testing import END_TO_END_TOLERANCE, bit_mismatches, compare, random_inputs  # noqa: E402
 
 WORLD_SIZE = 2
 HIDDEN = 4096

@@ -18,10 +18,9 @@ from interop.bench.registry import BY_NAME, IMPLEMENTATIONS, Calls, Implementati
 from interop.bench.report import Measurement, annotate, format_table, write_data
 from interop.bench.runner import Effort, plan, run
 from interop.bench.shapes import DECODE_TOKENS, SHAPES, BenchShape
-from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_reference
 from interop.spec import FusedKVConfig
-from interop.tolerance import assert_bit_exact, assert_close
+from interop.testing import assert_bit_exact, assert_close, random_inputs
 
 # Timers sample once: these tests pin down what is checked and recorded, not timings.
 ONCE = Effort(graph_replays=1, jax_repeats=1, jax_batch_seconds=0.001, host_calls=3, host_repeats=1)

@@ -11,9 +11,11 @@ torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 
 import interop  # noqa: E402
-from interop import cli, dispatch, equivalence  # noqa: E402
-from interop.backends import gpu_framework, run_backend  # noqa: E402
-from interop.equivalence import CheckOptions, run_check  # noqa: E402
+from interop import dispatch  # noqa: E402
+from interop.command import check as check_command  # noqa: E402
+from interop.command import cli  # noqa: E402
+from interop.command.backends import gpu_framework, run_backend  # noqa: E402
+from interop.command.check import CheckOptions, run_check  # noqa: E402
 
 ON_CPU = gpu_framework() is None
 SMALL = ["--layers", "2", "--heads", "2", "--head-dim", "32", "--tokens", "5"]
@@ -172,7 +174,7 @@ def test_check_prints_each_row_as_soon_as_it_is_known(capsys, monkeypatch):
         printed_before[name] = capsys.readouterr().out.splitlines()
         return run_backend(name, placed, config)
 
-    monkeypatch.setattr(equivalence, "run_backend", runner)
+    monkeypatch.setattr(check_command, "run_backend", runner)
     assert cli.main(["check", *SMALL]) == 0
     title, header, reference = printed_before["torch"]
     assert title.startswith("fusedkv check: 2 layers, 2 KV heads, head_dim 32") and header.startswith("backend")

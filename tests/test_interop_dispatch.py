@@ -2,7 +2,12 @@
 
 import dataclasses
 import json
+import os
+import pathlib
 import re
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -12,14 +17,14 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 import interop  # noqa: E402
-from interop import cli, equivalence  # noqa: E402
+from interop.command import check as check_command  # noqa: E402
+from interop.command import cli  # noqa: E402
 from interop.arrays import as_numpy, numpy_dtype  # noqa: E402
-from interop.backends import run_backend  # noqa: E402
+from interop.command.backends import run_backend  # noqa: E402
 from interop.exchange import framework_of, to_jax, to_torch  # noqa: E402
-from interop.inputs import random_inputs  # noqa: E402
 from interop.reference import fused_kv_norm_rope_reference  # noqa: E402
 from interop.spec import FusedKVConfig  # noqa: E402
-from interop.tolerance import assert_bit_exact, assert_close  # noqa: E402
+from interop.testing import assert_bit_exact, assert_close, random_inputs  # noqa: E402
 
 CONFIG = FusedKVConfig(num_kv_heads=2, head_dim=32, rotary_dim=32)
 STATIC = dict(num_kv_heads=2, head_dim=32, rotary_dim=32)
@@ -175,7 +180,7 @@ def _corrupting(run_name, index):
 
 
 def test_check_fails_and_names_a_planted_disagreement(monkeypatch, capsys):
-    monkeypatch.setattr(equivalence, "run_backend", _corrupting("jax", (1, 3, 0, 5)))
+    monkeypatch.setattr(check_command, "run_backend", _corrupting("jax", (1, 3, 0, 5)))
     status = cli.main(["check", "--layers", "2", "--heads", "2", "--head-dim", "32",
                        "--tokens", "4", "--json"])
     report = json.loads(capsys.readouterr().out)
@@ -330,3 +335,48 @@ def test_cupy_callers_get_reference_results_as_cupy_arrays(backend):
     k_ref, v_ref = fused_kv_norm_rope_reference(*inputs.arrays(), **STATIC)
     assert_close(cupy.asnumpy(k), k_ref)
     assert_bit_exact(cupy.asnumpy(v), v_ref)
+
+
+def _without_triton_interpret(script: str) -> subprocess.CompletedProcess:
+    """``script`` in a fresh process whose environment lacks TRITON_INTERPRET (conftest sets it here)."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=pathlib.Path(__file__).parents[1],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="without a GPU only")
+def test_the_library_leaves_the_environment_alone_and_the_torch_backend_says_what_to_set():
+    result = _without_triton_interpret("""
+        import os
+        import interop
+        from interop.testing import random_inputs
+        from interop.spec import FusedKVConfig
+
+        inputs = random_inputs(FusedKVConfig(2, 64, 32), n_layers=2, total_ctx=3, max_position=16)
+        try:
+            interop.fused_kv_norm_rope(*inputs.arrays(), num_kv_heads=2, head_dim=64, rotary_dim=32,
+                                       backend="torch")
+        except ValueError as error:
+            print(error)
+        print(os.environ.get("TRITON_INTERPRET"))
+    """)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-2:] == [
+        "Invalid kv device for fused KV materialization: got device=cpu, expected a CUDA device (to run "
+        "the Triton kernel on the CPU, set TRITON_INTERPRET=1 before fusedkv_torch is imported).",
+        "None",
+    ]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="without a GPU only")
+def test_the_command_line_interprets_the_triton_kernel_without_a_gpu():
+    result = _without_triton_interpret("""
+        import os
+        from interop.command import cli
+
+        code = cli.main(["check", "--backends", "torch", "--layers", "1", "--heads", "2", "--head-dim", "32",
+                         "--tokens", "3"])
+        print(code, os.environ.get("TRITON_INTERPRET"))
+    """)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "0 1"

@@ -7,8 +7,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("jax")
 
-from fusedkv_jax.kernel import _tile  # noqa: E402
-from fusedkv_torch.kernel import default_launch_shape  # noqa: E402
+from fusedkv_jax.kernel import default_tile as pallas_default_tile  # noqa: E402
+from fusedkv_torch.kernel import default_tile as triton_default_tile  # noqa: E402
 
 
 @pytest.mark.parametrize("total_ctx, heads, head_dim, expected", [
@@ -19,8 +19,8 @@ from fusedkv_torch.kernel import default_launch_shape  # noqa: E402
     (100_000, 1, 4096, (256, 1, 1)),
 ])
 def test_interpreted_triton_tiles_hold_many_tokens_and_heads(total_ctx, heads, head_dim, expected):
-    assert default_launch_shape(total_ctx, heads, head_dim, interpreted=True) == expected
-    assert default_launch_shape(total_ctx, heads, head_dim) != expected  # the GPU's own choice
+    assert triton_default_tile(total_ctx, heads, head_dim, interpret=True) == expected
+    assert triton_default_tile(total_ctx, heads, head_dim) != expected  # the GPU's own choice
 
 
 @pytest.mark.parametrize("total_ctx, heads, head_dim, expected", [
@@ -30,9 +30,9 @@ def test_interpreted_triton_tiles_hold_many_tokens_and_heads(total_ctx, heads, h
     (5, 2, 32, (8, 2)),
 ])
 def test_interpreted_pallas_tiles_hold_many_tokens(total_ctx, heads, head_dim, expected):
-    assert _tile(total_ctx, 5, heads, head_dim, None, None, None, interpret=True)[:2] == expected
-    assert _tile(total_ctx, 5, heads, head_dim, None, None, None)[0] < expected[0]  # the GPU's
+    assert pallas_default_tile(total_ctx, 5, heads, head_dim, interpret=True)[:2] == expected
+    assert pallas_default_tile(total_ctx, 5, heads, head_dim)[0] < expected[0]  # the GPU's
 
 
 def test_interpreted_pallas_tiles_keep_the_overrides_given():
-    assert _tile(16, 5, 8, 128, 2, 4, 1, interpret=True) == (2, 4, 1)
+    assert pallas_default_tile(16, 5, 8, 128, block_tokens=2, block_heads=4, num_warps=1, interpret=True) == (2, 4, 1)

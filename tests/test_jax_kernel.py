@@ -1,6 +1,6 @@
 """The Pallas kernel against the interop reference: interpret mode on the CPU, real sizes on a GPU.
 
-Every check draws fresh random inputs (interop.inputs.random_inputs), compares K under
+Every check draws fresh random inputs (interop.testing.random_inputs), compares K under
 the tolerance table and V bit for bit. CPU cases stay small: Pallas interpret time
 grows steeply with array size.
 """
@@ -17,10 +17,9 @@ import pytest
 from fusedkv_jax import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_jax.kernel import default_lowering
 from interop.arrays import numpy_dtype
-from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
 from interop.spec import FusedKVConfig, device_name
-from interop.tolerance import assert_bit_exact, assert_close, compare
+from interop.testing import assert_bit_exact, assert_close, compare, random_inputs
 
 ON_GPU = jax.default_backend() == "gpu"
 JAX_DEVICE = device_name(jnp.zeros(1))  # where host (NumPy) arguments are computed on

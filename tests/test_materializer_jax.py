@@ -18,7 +18,7 @@ from fusedkv_jax.materializer import FusedKVMaterializer
 from interop.materializer_spec import random_case, stacked_op_arrays
 from interop.reference import fused_kv_norm_rope_reference, rope_cos_sin_cache
 from interop.spec import FusedKVConfig
-from interop.tolerance import END_TO_END_TOLERANCE, assert_bit_exact, assert_close
+from interop.testing import END_TO_END_TOLERANCE, assert_bit_exact, assert_close
 
 ON_GPU = jax.default_backend() == "gpu"
 OP = FusedKVConfig(num_kv_heads=2, head_dim=32, rotary_dim=32)

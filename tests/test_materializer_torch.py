@@ -23,7 +23,7 @@ from interop.reference import (
     rope_cos_sin_cache,
 )
 from interop.spec import FusedKVConfig
-from interop.tolerance import END_TO_END_TOLERANCE, assert_bit_exact, assert_close, assert_fp8_close
+from interop.testing import END_TO_END_TOLERANCE, assert_bit_exact, assert_close, assert_fp8_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 OP = FusedKVConfig(num_kv_heads=2, head_dim=32, rotary_dim=32)

@@ -3,7 +3,7 @@
 Hypothesis draws the whole call (layers, heads, head_dim, rotary_dim, rope style, dtypes,
 token count, a strided or contiguous ``kv``, given or absent outputs, int32/int64
 positions with some out of range, a paged cache with padding slots and fp8 caches) and a
-seed for NumPy's generator, which makes the arrays (``interop.inputs.random_inputs``).
+seed for NumPy's generator, which makes the arrays (``interop.testing.random_inputs``).
 Expected values come from ``interop.reference`` alone: K within the tolerance table, V
 bit for bit, all-NaN K rows where a position is out of range, untouched cache slots
 bit for bit as poisoned.
@@ -28,10 +28,9 @@ from hypothesis import strategies as st
 
 from interop.arrays import as_numpy, numpy_dtype
 from interop.exchange import INT32_MAX
-from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
 from interop.spec import KV_DTYPES, POSITION_DTYPES, ROPE_STYLES, FusedKVConfig
-from interop.tolerance import assert_bit_exact, assert_close, assert_fp8_close
+from interop.testing import assert_bit_exact, assert_close, assert_fp8_close, random_inputs
 
 FP8 = "float8_e4m3fn"
 INT32_MIN = -(2**31)

@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("jax")
 
-from interop import cli  # noqa: E402
-from interop.equivalence import header  # noqa: E402
+from interop.command import cli  # noqa: E402
+from interop.command.check import header  # noqa: E402
 
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 

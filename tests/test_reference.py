@@ -6,14 +6,13 @@ import numpy as np
 import pytest
 
 from interop.arrays import numpy_dtype
-from interop.inputs import random_inputs
 from interop.reference import (
     fused_kv_norm_rope_into_cache_reference,
     fused_kv_norm_rope_reference,
     rope_cos_sin_cache,
 )
 from interop.spec import FusedKVConfig
-from interop.tolerance import Tolerance, assert_bit_exact, assert_close
+from interop.testing import Tolerance, assert_bit_exact, assert_close, random_inputs
 
 
 def float64_truth(kv, weight, eps, cache, positions, heads, dim, rotary_dim, style):

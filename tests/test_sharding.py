@@ -25,7 +25,7 @@ from interop.arrays import numpy_dtype
 from interop.materializer_spec import head_parallel_layers, materializer_reference, random_case, stacked_op_arrays
 from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
 from interop.spec import FusedKVConfig
-from interop.tolerance import END_TO_END_TOLERANCE, assert_bit_exact, assert_close
+from interop.testing import END_TO_END_TOLERANCE, assert_bit_exact, assert_close
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))

@@ -4,10 +4,18 @@ import numpy as np
 import pytest
 
 from interop.arrays import numpy_dtype
-from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_into_cache_reference
 from interop.spec import FusedKVConfig
-from interop.tolerance import TOLERANCES, assert_bit_exact, assert_close, assert_fp8_close, code_steps, compare, ulp
+from interop.testing import (
+    TOLERANCES,
+    assert_bit_exact,
+    assert_close,
+    assert_fp8_close,
+    code_steps,
+    compare,
+    random_inputs,
+    ulp,
+)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -50,6 +58,25 @@ def test_bit_exact_names_the_first_difference():
 def test_every_tolerance_states_its_reason():
     assert set(TOLERANCES) == {"float32", "float16", "bfloat16", "float8_e4m3fn"}
     assert all(len(t.reason) > 40 for t in TOLERANCES.values())
+
+
+@pytest.mark.parametrize("dtype, exponent_bits, mantissa_bits, largest", [
+    ("float32", 8, 23, float(np.finfo(np.float32).max)),
+    ("float16", 5, 10, 65504.0),
+    ("bfloat16", 8, 7, 2.0 ** 127 * 255 / 128),
+    ("float8_e4m3fn", 4, 3, 448.0),
+])
+def test_ulp_is_the_format_spacing_at_zero_subnormals_normals_and_the_largest_value(
+        dtype, exponent_bits, mantissa_bits, largest):
+    bias = 2 ** (exponent_bits - 1) - 1
+    smallest_subnormal = 2.0 ** (1 - bias - mantissa_bits)
+    smallest_normal = 2.0 ** (1 - bias)
+    values = [0.0, smallest_subnormal, 3 * smallest_subnormal, smallest_normal, 1.0, -1.5, largest,
+              float("nan"), float("inf")]
+    top_exponent = int(np.floor(np.log2(largest)))
+    expected = [smallest_subnormal] * 4 + [2.0 ** -mantissa_bits] * 2 + [2.0 ** (top_exponent - mantissa_bits)] \
+        + [smallest_subnormal] * 2  # NaN and Inf count as 0
+    assert ulp(np.array(values), dtype).tolist() == expected
 
 
 @pytest.mark.parametrize("dtype, largest, step_below", [("float8_e4m3fn", 448.0, 32.0),

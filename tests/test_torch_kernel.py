@@ -18,12 +18,12 @@ import torch
 
 from interop.arrays import as_numpy, numpy_dtype
 from interop.exchange import to_torch
-from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
 from interop.spec import FusedKVConfig
-from interop.tolerance import assert_bit_exact, assert_close, assert_fp8_close, compare
+from interop.testing import assert_bit_exact, assert_close, assert_fp8_close, compare, random_inputs
 from fusedkv_torch import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_torch import kernel as kernel_module
+from fusedkv_torch import ops as ops_module
 from fusedkv_torch.kernel import launch
 from fusedkv_torch.launcher import expected_attributes, specialization_key
 
@@ -84,14 +84,14 @@ def test_one_token_of_one_layer(style):
 
 
 @pytest.mark.parametrize("style", ["neox", "gptj"])
-@pytest.mark.parametrize("block_tokens, heads_per_program", [(8, 2), (4, 4), (16, 1)])
-def test_token_tiles_and_head_groups_cover_a_ragged_context(style, block_tokens, heads_per_program):
+@pytest.mark.parametrize("block_tokens, block_heads", [(8, 2), (4, 4), (16, 1)])
+def test_token_tiles_and_head_groups_cover_a_ragged_context(style, block_tokens, block_heads):
     config = FusedKVConfig(4, 96, 64, style)
     inputs = random_inputs(config, n_layers=2, total_ctx=19, max_position=64, seed=2)
     kv, *rest = on_device(inputs)
     k, v = poisoned((2, 19, 4, 96), kv.dtype), poisoned((2, 19, 4, 96), kv.dtype)
     launch(kv, *rest, k, v, config=config, block_tokens=block_tokens,
-           heads_per_program=heads_per_program, num_warps=2)
+           block_heads=block_heads, num_warps=2)
     assert_matches_reference(inputs, config, k, v)
 
 
@@ -101,13 +101,13 @@ def test_decode_and_mid_size_contexts_on_their_default_tiles(total_ctx, tile):
     # head (4 heads: 2 rows of tokens each); between and beyond, one-token rows of every head.
     # The GPU's tiles, launched by name: interpreted, a call's default is a few large tiles.
     config = FusedKVConfig(4, 64, 64, "gptj")
-    block_tokens, heads_per_program, num_warps = kernel_module.default_launch_shape(total_ctx, 4, 64)
-    assert (block_tokens, heads_per_program) == tile
+    block_tokens, block_heads, num_warps = kernel_module.default_tile(total_ctx, 4, 64)
+    assert (block_tokens, block_heads) == tile
     inputs = random_inputs(config, n_layers=2, total_ctx=total_ctx, max_position=512, seed=4)
     kv, *rest = on_device(inputs)
     k, v = poisoned((2, total_ctx, 4, 64), kv.dtype), poisoned((2, total_ctx, 4, 64), kv.dtype)
     launch(kv, *rest, k, v, config=config, block_tokens=block_tokens,
-           heads_per_program=heads_per_program, num_warps=num_warps)
+           block_heads=block_heads, num_warps=num_warps)
     assert_matches_reference(inputs, config, k, v)
 
 
@@ -117,16 +117,16 @@ def test_long_ragged_context_of_one_head_takes_multi_token_tiles():
     assert_matches_reference(inputs, config, *fused_kv_norm_rope(*on_device(inputs), **static(config)))
 
 
-@pytest.mark.parametrize("heads, heads_per_program", [(3, 2), (6, 3)])
-def test_heads_per_program_must_be_a_power_of_two_dividing_the_heads(heads, heads_per_program):
+@pytest.mark.parametrize("heads, block_heads", [(3, 2), (6, 3)])
+def test_block_heads_must_be_a_power_of_two_dividing_the_heads(heads, block_heads):
     config = FusedKVConfig(heads, 64, 64)
     inputs = random_inputs(config, n_layers=1, total_ctx=2, max_position=8)
     kv, *rest = on_device(inputs)
     k = poisoned((1, 2, heads, 64), kv.dtype)
     with pytest.raises(ValueError, match=re.escape(
-            f"Invalid heads_per_program for fused KV materialization: got {heads_per_program}, "
+            f"Invalid block_heads for fused KV materialization: got {block_heads}, "
             f"expected a power of two that divides {heads}.")):
-        launch(kv, *rest, k, k, config=config, heads_per_program=heads_per_program)
+        launch(kv, *rest, k, k, config=config, block_heads=block_heads)
     assert torch.isnan(k).all()
 
 
@@ -591,9 +591,9 @@ def test_k_and_v_side_by_side_in_one_pool_share_no_element_and_are_written():
      "Invalid block_tokens for fused KV materialization: got 0, expected a power of two."),
     (dict(num_warps=3), ValueError,
      "Invalid num_warps for fused KV materialization: got 3, expected a power of two."),
-    (dict(heads_per_program=0), ValueError,
-     "Invalid heads_per_program for fused KV materialization: got 0, expected a positive int."),
-], ids=["block_tokens-float", "block_tokens-0", "num_warps-3", "heads_per_program-0"])
+    (dict(block_heads=0), ValueError,
+     "Invalid block_heads for fused KV materialization: got 0, expected a positive int."),
+], ids=["block_tokens-float", "block_tokens-0", "num_warps-3", "block_heads-0"])
 def test_launch_tile_overrides_are_checked_before_launching(override, error, message):
     inputs = random_inputs(CONFIG, n_layers=2, total_ctx=3, max_position=16, seed=19)
     kv, *rest = on_device(inputs)
@@ -610,7 +610,7 @@ def test_without_a_gpu_or_the_interpreter_the_error_says_to_set_triton_interpret
         import torch
         from fusedkv_torch import fused_kv_norm_rope
         from interop.exchange import to_torch
-        from interop.inputs import random_inputs
+        from interop.testing import random_inputs
         from interop.spec import FusedKVConfig
 
         inputs = random_inputs(FusedKVConfig(2, 64, 32), n_layers=2, total_ctx=3, max_position=16)
@@ -978,7 +978,7 @@ def test_repeated_eager_calls_launch_directly_for_every_alignment():
     shape = REAL.output_shape(5, total_ctx)
 
     def compiled_launches():
-        return sum(len(compiled) for _, _, compiled in kernel_module._PREPARED_CALLS.values())
+        return sum(len(prepared.compiled) for prepared in ops_module._PREPARED_CALLS.values())
 
     before, counts = compiled_launches(), []
     for round_ in range(2):

@@ -8,10 +8,10 @@ declare, and an op that breaks under ``torch.compile``'s AOT dispatch.
 import pytest
 import torch
 
-from fusedkv_torch import kernel as kernel_module  # noqa: F401  (registers torch.ops.fusedkv)
+import fusedkv_torch.ops  # noqa: F401  (registers torch.ops.fusedkv)
 from interop.exchange import to_torch
-from interop.inputs import random_inputs
 from interop.spec import FusedKVConfig
+from interop.testing import random_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CONFIG = FusedKVConfig(2, 64, 32, "gptj")

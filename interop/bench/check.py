@@ -15,7 +15,7 @@ import numpy as np
 from interop.arrays import as_numpy
 from interop.exchange import framework_of
 from interop.reference import fused_kv_norm_rope_reference
-from interop.tolerance import END_TO_END_TOLERANCE, bit_mismatches, compare
+from interop.testing import END_TO_END_TOLERANCE, bit_mismatches, compare
 
 CHECKED_ROWS = 64
 
@@ -98,7 +98,7 @@ def projection_verdict(kv, ctx_hidden, layers) -> str:
     """``'ok'``, or what is wrong with ``kv``, a materializer's GEMM output for ``ctx_hidden``.
 
     The GEMM rounds to the weights' dtype after accumulating in its own order, so it is
-    held to :data:`~interop.tolerance.END_TO_END_TOLERANCE`, whose reason covers that
+    held to :data:`~interop.testing.END_TO_END_TOLERANCE`, whose reason covers that
     rounding, rather than bit for bit.
     """
     unwritten = count_nan(kv)
@@ -114,7 +114,7 @@ def end_to_end_verdict(k, v, layers, ctx_hidden, positions) -> str:
     """``'ok'``, or what is wrong with ``(k, v)``, a materializer's outputs for ``ctx_hidden``.
 
     Against the materializer's fp32 NumPy path (:func:`interop.materializer_spec.materializer_reference`)
-    under :data:`~interop.tolerance.END_TO_END_TOLERANCE`: checking against the op's reference
+    under :data:`~interop.testing.END_TO_END_TOLERANCE`: checking against the op's reference
     on a second GEMM of the same inputs would hold the GEMM to its own rounding, which XLA
     may reach by another algorithm in another compilation.
     """

@@ -3,7 +3,7 @@
 Inputs are generated on the GPU in one framework (torch when it sees the GPU, else
 jax) and handed to the other through DLPack without a copy, so every implementation
 reads the very same bytes: ``kv`` gaussian (twice a standard normal, as
-:func:`interop.inputs.random_inputs` draws it), positions uniform below
+:func:`interop.testing.random_inputs` draws it), positions uniform below
 :data:`~interop.bench.shapes.MAX_POSITION`, and the small per-layer arrays from
 ``random_inputs`` itself.
 """
@@ -14,9 +14,9 @@ import math
 
 from interop.bench.shapes import MAX_POSITION, BenchShape
 from interop.exchange import to_framework
-from interop.inputs import random_inputs
+from interop.testing import random_inputs
 
-# The H200's L2 (DESIGN.md section 3), used only where torch cannot read the device's.
+# The H200's L2 (60 MiB), used only where torch cannot read the device's.
 FALLBACK_L2_BYTES = 60 * 2**20
 MAX_INPUT_SETS = 64
 

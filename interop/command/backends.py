@@ -17,8 +17,8 @@ import numpy as np
 from interop import dispatch
 from interop.arrays import as_numpy
 from interop.exchange import to_jax, to_torch
-from interop.inputs import OpInputs
 from interop.spec import FusedKVConfig
+from interop.testing import OpInputs
 
 
 @dataclasses.dataclass(frozen=True)

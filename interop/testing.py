@@ -1,6 +1,8 @@
-"""The one tolerance table and the one comparison that reports the worst element.
+"""What tests, benchmarks and ``fusedkv check`` hold the kernels to: random inputs and
+the one tolerance table.
 
-An element passes when ``|got - expected| <= ulps * ulp(expected) + atol`` with the
+:func:`random_inputs` draws a call's arguments (one generator for all). Comparisons:
+an element passes when ``|got - expected| <= ulps * ulp(expected) + atol`` with the
 ulp taken in the output dtype. A float8_e4m3fn cache is held to more: its codes are
 counted, not measured (see its entry). NaN must meet NaN (out-of-range positions), and
 a NaN anywhere else fails. V is never compared here: it must match bit for bit
@@ -14,7 +16,48 @@ import dataclasses
 import numpy as np
 
 from interop.arrays import as_numpy, numpy_dtype
-from interop.spec import dtype_name
+from interop.reference import rope_cos_sin_cache
+from interop.spec import FusedKVConfig, dtype_name
+
+
+@dataclasses.dataclass(frozen=True)
+class OpInputs:
+    """Host (NumPy) arguments of one call, in the op's argument order."""
+
+    kv: np.ndarray
+    k_norm_weight: np.ndarray
+    eps: np.ndarray
+    cos_sin_cache: np.ndarray
+    positions: np.ndarray
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        return (self.kv, self.k_norm_weight, self.eps, self.cos_sin_cache, self.positions)
+
+
+def random_inputs(
+    config: FusedKVConfig,
+    *,
+    n_layers: int,
+    total_ctx: int,
+    dtype: str = "bfloat16",
+    max_position: int = 32768,
+    position_dtype: str = "int32",
+    weight_dtype: str = "float32",
+    seed: int = 0,
+) -> OpInputs:
+    """Fresh random inputs: gaussian kv, weights near 1, eps in [1e-6, 1e-5), random positions."""
+    rng = np.random.default_rng(seed)
+    kv = rng.standard_normal((total_ctx, n_layers, 2 * config.kv_size), dtype=np.float32)
+    k_norm_weight = 1.0 + 0.25 * rng.standard_normal((n_layers, config.head_dim), dtype=np.float32)
+    eps = rng.uniform(1e-6, 1e-5, size=n_layers).astype(np.float32)
+    positions = rng.integers(0, max_position, size=total_ctx)
+    return OpInputs(
+        kv=(2.0 * kv).astype(numpy_dtype(dtype)),
+        k_norm_weight=k_norm_weight.astype(numpy_dtype(weight_dtype)),
+        eps=eps,
+        cos_sin_cache=rope_cos_sin_cache(max_position, config.rotary_dim),
+        positions=positions.astype(numpy_dtype(position_dtype)),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +132,12 @@ def ulp(values: np.ndarray, dtype: str) -> np.ndarray:
     """The spacing of ``dtype`` above each |value| (as fp64); NaN and Inf count as 0."""
     finite = np.nan_to_num(np.asarray(values, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
     typed = np.abs(finite).astype(numpy_dtype(dtype))
-    # ml_dtypes has no nextafter: step the bit pattern of the non-negative value by one.
-    width = {1: np.uint8, 2: np.uint16, 4: np.uint32}[typed.dtype.itemsize]
-    above = (typed.view(width) + width(1)).view(typed.dtype).astype(np.float64)
-    below = (typed.view(width) - width(1)).view(typed.dtype).astype(np.float64)
-    step = above - typed.astype(np.float64)
-    # Above the largest finite value lies Inf (NaN for float8_e4m3fn): use the step below.
-    return np.where(np.isfinite(step), step, typed.astype(np.float64) - below)
+    with np.errstate(over="ignore", invalid="ignore"):
+        step = np.spacing(typed).astype(np.float64)
+        # Above the largest finite value lies Inf (NaN for float8_e4m3fn): use the step
+        # below, the spacing of its binade, twice the spacing of half the value.
+        step_below = 2 * np.spacing(typed / typed.dtype.type(2)).astype(np.float64)
+    return np.where(np.isfinite(step), step, step_below)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,12 +7,11 @@ import itertools
 import time
 from typing import Callable
 
-from interop.backends import BackendUnavailable, gpu_framework, place_inputs, run_backend
+from interop.command.backends import BackendUnavailable, gpu_framework, place_inputs, run_backend
 from interop.dispatch import BACKENDS
-from interop.inputs import random_inputs
 from interop.reference import fused_kv_norm_rope_reference
 from interop.spec import FusedKVConfig
-from interop.tolerance import bit_mismatches, compare
+from interop.testing import bit_mismatches, compare, random_inputs
 
 DEFAULT_TOKENS_GPU = 4096
 DEFAULT_TOKENS_CPU = 16
@@ -184,7 +183,7 @@ def run_check(options: CheckOptions, runners=None,
     every pair of backends that ran. ``on_row`` is called with each row as soon as it
     is known (the command line prints it then). ``runners`` maps backend names to
     callables ``(name, placed_inputs, config) -> BackendRun`` (default:
-    :func:`interop.backends.run_backend`); tests pass a corrupted one to see the check fail.
+    :func:`interop.command.backends.run_backend`); tests pass a corrupted one to see the check fail.
     """
     runners = runners or {name: run_backend for name in options.backend_names}
     rows = []

@@ -10,10 +10,11 @@ import platform
 import sys
 
 import interop
-from interop import backends, dispatch
+from interop import dispatch
 from interop.bench import add_bench_arguments, run_bench_command
+from interop.command import backends
 from interop.dispatch import BACKENDS
-from interop.equivalence import (
+from interop.command.check import (
     DEFAULT_TOKENS_CPU,
     DEFAULT_TOKENS_GPU,
     CheckOptions,
@@ -217,6 +218,19 @@ def _info() -> int:
     return 0
 
 
+def _interpret_triton_without_gpu() -> None:
+    """Run the Triton kernel in interpret mode where torch sees no CUDA device. Triton
+    reads ``TRITON_INTERPRET`` when the kernel is defined, so this comes before
+    ``fusedkv_torch`` is imported; a command owns its process's environment, the
+    library never sets it."""
+    if "fusedkv_torch" in sys.modules or not dispatch.backend_installed("torch"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser, subparsers = _parsers()
     args, unknown = parser.parse_known_args(argv)
@@ -224,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         # argparse would answer with the top-level usage; the command's own is the useful one.
         command.error(f"unrecognized arguments: {' '.join(unknown)}")
+    _interpret_triton_without_gpu()
     if args.command == "info":
         return _info()
     if args.command == "bench":

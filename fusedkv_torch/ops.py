@@ -1,0 +1,327 @@
+"""The public torch functions of fusedkv, their validation and their torch.library ops.
+
+:func:`fused_kv_norm_rope` and :func:`fused_kv_norm_rope_into_cache` validate a call
+(``interop.spec``) and launch the Triton kernel of :mod:`fusedkv_torch.kernel`: eager
+calls launch it directly, traced calls (``torch.compile``) through the registered op,
+which the graph then records. Each op sits with its fake and its public function.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fusedkv_torch.kernel import _launch, _launcher, _plan, launch, supports_dependent_launch
+from interop.spec import (
+    CallShape,
+    FusedKVConfig,
+    check_arrays,
+    check_output_buffers,
+    validate_cache_call,
+    validate_call,
+)
+
+# Validation of shapes, dtypes and devices (interop.spec) costs more host time than the
+# launch: an eager call whose metadata passed before is not checked again, and its launch
+# plan and compiled kernels are kept with it (the metadata names every tensor's dtype and
+# device, as DirectLauncher's ``compiled`` needs, and the sizes' types, since 2.0 == 2).
+# What metadata cannot tell is checked on every call: that each argument is a tensor
+# (before the metadata is read), and that the outputs overlap neither each other nor kv
+# (addresses). Rejected metadata is never remembered, so a bad call raises every time.
+# Traced calls (torch.compile) validate every time and go through the registered op, so
+# the graph records the mutation, and the op checks the outputs' memory when it runs;
+# eager calls skip the op, whose dispatcher costs more host time than the launch.
+_PREPARED_CALLS: dict[tuple, PreparedCall] = {}
+_MAX_PREPARED_CALLS = 4096
+
+
+class PreparedCall:
+    """A call that validation accepted, with what launching it needs.
+
+    ``call``: the validated sizes; ``plan``: the kernel's launch plan, None for a traced
+    call (which goes through the registered op); ``compiled``: the compiled kernels of
+    this call's metadata (``DirectLauncher``'s ``compiled``). The materializer prepares
+    a call before its GEMM and launches it after.
+    """
+
+    __slots__ = ("call", "plan", "compiled")
+
+    def __init__(self, call: CallShape, plan: Optional[tuple], compiled: Optional[dict]):
+        self.call = call
+        self.plan = plan
+        self.compiled = compiled
+
+    def launch(self, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
+               check_positions: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The op on the arguments :func:`prepare_call` accepted: ``(k_out, v_out)``,
+        allocated here where None."""
+        call = self.call
+        if positions.device != kv.device:
+            positions = positions.to(kv.device, non_blocking=True)
+        if check_positions and call.total_ctx:
+            _check_positions_in_range(positions, call.max_position)
+        if k_out is None:
+            k_out = kv.new_empty(call.output_shape)
+        if v_out is None:
+            v_out = kv.new_empty(call.output_shape)
+        if call.total_ctx == 0:
+            return k_out, v_out
+        if self.plan is None:
+            config = call.config
+            torch.ops.fusedkv.write_fused_kv_norm_rope(
+                kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
+                config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style)
+        else:
+            _launch(self.plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, None, None, None,
+                    self.compiled)
+        return k_out, v_out
+
+    def launch_into_cache(self, kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+                          k_scale, v_scale) -> tuple[torch.Tensor, torch.Tensor]:
+        """The op into a cache on the arguments :func:`prepare_cache_call` accepted."""
+        call = self.call
+        if call.total_ctx == 0:
+            return k_cache, v_cache
+        device = kv.device
+        if positions.device != device:
+            positions = positions.to(device, non_blocking=True)
+        if cache_loc.device != device:
+            cache_loc = cache_loc.to(device, non_blocking=True)
+        if k_scale is not None:
+            k_scale = k_scale.to(device)
+        if v_scale is not None:
+            v_scale = v_scale.to(device)
+        if self.plan is None:
+            config = call.config
+            torch.ops.fusedkv.write_fused_kv_norm_rope_into_cache(
+                kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+                config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style, k_scale, v_scale)
+        else:
+            _launch(self.plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_cache, v_cache, cache_loc,
+                    k_scale, v_scale, self.compiled)
+        return k_cache, v_cache
+
+
+def _check_runnable(device: torch.device) -> None:
+    """Refuse a call the launcher could only end in an assertion: tensors off the GPU
+    while Triton compiles for one (its interpreter, which runs on the CPU, is chosen
+    by ``TRITON_INTERPRET=1`` when the kernel is defined, at import)."""
+    if device.type != "cuda" and not _launcher.interpreted:
+        raise ValueError(
+            f"Invalid kv device for fused KV materialization: got device={device}, expected a CUDA "
+            "device (to run the Triton kernel on the CPU, set TRITON_INTERPRET=1 before "
+            "fusedkv_torch is imported)."
+        )
+
+
+def _prepared(metadata: tuple, validate, device: torch.device, to_slots: bool, quantize_k: bool,
+              quantize_v: bool, tracing: bool) -> PreparedCall:
+    """``validate()`` with its launch plan, both computed once per ``metadata``."""
+    if tracing:
+        call = validate()
+        _check_runnable(device)
+        return PreparedCall(call, None, None)
+    try:
+        prepared = _PREPARED_CALLS.get(metadata)
+    except TypeError:  # an unhashable argument, which validation refuses below
+        prepared = None
+    if prepared is None:
+        call = validate()
+        _check_runnable(device)
+        plan = _plan(call.config, call.total_ctx, call.n_layers, to_slots, quantize_k, quantize_v,
+                            None, None, None, supports_dependent_launch(device))
+        if len(_PREPARED_CALLS) >= _MAX_PREPARED_CALLS:
+            _PREPARED_CALLS.clear()
+        prepared = _PREPARED_CALLS[metadata] = PreparedCall(call, plan, {})
+    return prepared
+
+
+def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
+                 rope_style, k_out, v_out) -> PreparedCall:
+    """A :func:`fused_kv_norm_rope` call validated, ready for :meth:`PreparedCall.launch`."""
+    outputs = (("k_out", k_out), ("v_out", v_out))
+    tracing = torch.compiler.is_compiling()
+    if not tracing:
+        check_arrays((("kv", kv), ("k_norm_weight", k_norm_weight), ("eps", eps),
+                      ("cos_sin_cache", cos_sin_cache), ("positions", positions), *outputs), "torch")
+    prepared = _prepared((
+        num_kv_heads, head_dim, rotary_dim, type(num_kv_heads), type(head_dim), type(rotary_dim), rope_style,
+        kv.shape, kv.dtype, kv.device,
+        k_norm_weight.shape, k_norm_weight.dtype, k_norm_weight.device, eps.shape, eps.dtype, eps.device,
+        cos_sin_cache.shape, cos_sin_cache.dtype, cos_sin_cache.device, positions.shape, positions.dtype,
+        None if k_out is None else (k_out.shape, k_out.dtype, k_out.device),
+        None if v_out is None else (v_out.shape, v_out.dtype, v_out.device),
+    ), lambda: validate_call(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        rotary_dim=rotary_dim, rope_style=rope_style, k_out=k_out, v_out=v_out, check_buffers=False,
+    ), kv.device, False, False, False, tracing)
+    if not tracing:
+        check_output_buffers(kv, outputs)
+    return prepared
+
+
+def prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+                       num_kv_heads, head_dim, rotary_dim, rope_style, k_scale,
+                       v_scale) -> PreparedCall:
+    """A :func:`fused_kv_norm_rope_into_cache` call validated, ready for
+    :meth:`PreparedCall.launch_into_cache`."""
+    caches = (("k_cache", k_cache), ("v_cache", v_cache))
+    tracing = torch.compiler.is_compiling()
+    if not tracing:
+        check_arrays((("kv", kv), ("k_norm_weight", k_norm_weight), ("eps", eps),
+                      ("cos_sin_cache", cos_sin_cache), ("positions", positions), ("cache_loc", cache_loc),
+                      *caches, ("k_scale", k_scale), ("v_scale", v_scale)), "torch")
+    prepared = _prepared((
+        "cache", num_kv_heads, head_dim, rotary_dim, type(num_kv_heads), type(head_dim), type(rotary_dim),
+        rope_style, kv.shape, kv.dtype, kv.device,
+        k_norm_weight.shape, k_norm_weight.dtype, k_norm_weight.device, eps.shape, eps.dtype, eps.device,
+        cos_sin_cache.shape, cos_sin_cache.dtype, cos_sin_cache.device, positions.shape, positions.dtype,
+        cache_loc.shape, cache_loc.dtype,
+        k_cache.shape, k_cache.dtype, k_cache.device, v_cache.shape, v_cache.dtype, v_cache.device,
+        None if k_scale is None else (k_scale.shape, k_scale.dtype),
+        None if v_scale is None else (v_scale.shape, v_scale.dtype),
+    ), lambda: validate_cache_call(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
+        k_scale=k_scale, v_scale=v_scale, check_buffers=False,
+    ), kv.device, True, k_scale is not None, v_scale is not None, tracing)
+    if not tracing:
+        check_output_buffers(kv, caches)
+    return prepared
+
+
+def _check_positions_in_range(positions: torch.Tensor, max_position: int) -> None:
+    low, high = (int(value) for value in torch.aminmax(positions))  # the one host sync
+    if low < 0 or high >= max_position:
+        raise ValueError(
+            "Invalid positions for fused KV materialization: got values outside "
+            f"[0, {max_position}) (min {low}, max {high}), expected every position in "
+            f"[0, {max_position})."
+        )
+
+
+# The registered ops: the kernel launch as torch.compile and CUDA graphs see it. A custom op
+# may not return an alias of an input, so they write into the given buffers and return nothing.
+@torch.library.custom_op("fusedkv::write_fused_kv_norm_rope", mutates_args=("k_out", "v_out"))
+def _write_fused_kv_norm_rope(
+    kv: torch.Tensor, k_norm_weight: torch.Tensor, eps: torch.Tensor, cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
+    num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str,
+) -> None:
+    # Traced calls are validated while tracing, when addresses are not known yet: here they are.
+    check_output_buffers(kv, (("k_out", k_out), ("v_out", v_out)))
+    launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
+           config=FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style))
+
+
+@_write_fused_kv_norm_rope.register_fake
+def _write_fused_kv_norm_rope_fake(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
+                                   num_kv_heads, head_dim, rotary_dim, rope_style):
+    return None
+
+
+def fused_kv_norm_rope(
+    kv: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    rope_style: str = "neox",
+    k_out: Optional[torch.Tensor] = None,
+    v_out: Optional[torch.Tensor] = None,
+    check_positions: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm + RoPE on K, V passed through, for all layers (formula in the module docstring).
+
+    All arrays are torch tensors (other frameworks' arrays: ``interop.fused_kv_norm_rope``);
+    ``num_kv_heads``, ``head_dim`` and ``rotary_dim`` are ints.
+
+    Args:
+      kv: bf16/fp16/fp32[total_ctx, n_layers, 2*kv_size], per token and layer all K heads
+        then all V heads; any strides (a slice of a GEMM workspace is read in place).
+      k_norm_weight: float[n_layers, head_dim].
+      eps: fp32[n_layers].
+      cos_sin_cache: fp32[max_pos, rotary_dim], row p = rotary_dim/2 cos values then sin values.
+      positions: int32/int64[total_ctx], any device (moved to kv's). A position outside
+        [0, max_pos) gives an all-NaN K row, unless ``check_positions`` raises for it.
+      k_out, v_out: optional dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim], any
+        strides but zero (views into a bigger cache), written in place; sharing memory
+        with each other or with ``kv`` is refused.
+      check_positions: raise ``ValueError`` for out-of-range positions; this syncs with
+        the device, so it is off by default and cannot be used under CUDA graph capture.
+        The torch backend's only (``fusedkv_jax`` has no host sync to raise from).
+
+    Returns:
+      ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim].
+    """
+    return prepare_call(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, rope_style,
+        k_out, v_out,
+    ).launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, check_positions)
+
+
+@torch.library.custom_op("fusedkv::write_fused_kv_norm_rope_into_cache",
+                         mutates_args=("k_cache", "v_cache"))
+def _write_fused_kv_norm_rope_into_cache(
+    kv: torch.Tensor, k_norm_weight: torch.Tensor, eps: torch.Tensor, cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor, cache_loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str,
+    k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+) -> None:
+    check_output_buffers(kv, (("k_cache", k_cache), ("v_cache", v_cache)))
+    launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_cache, v_cache,
+           config=FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style),
+           cache_loc=cache_loc, k_scale=k_scale, v_scale=v_scale)
+
+
+@_write_fused_kv_norm_rope_into_cache.register_fake
+def _write_fused_kv_norm_rope_into_cache_fake(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc,
+                                              k_cache, v_cache, num_kv_heads, head_dim, rotary_dim,
+                                              rope_style, k_scale, v_scale):
+    return None
+
+
+def fused_kv_norm_rope_into_cache(
+    kv: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    cache_loc: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    rotary_dim: int,
+    rope_style: str = "neox",
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fused_kv_norm_rope` written straight into a paged KV cache, one launch.
+
+    ``k_cache[l, cache_loc[t]]`` and ``v_cache[l, cache_loc[t]]`` receive token t's K and V
+    for every layer l. Slots outside [0, num_slots) (negative ones are padding) are
+    skipped without a device sync.
+
+    Args (beyond :func:`fused_kv_norm_rope`'s):
+      cache_loc: int32/int64[total_ctx], any device (moved to kv's).
+      k_cache, v_cache: dtype-of-kv or float8_e4m3fn[n_layers, num_slots, num_kv_heads,
+        head_dim], any strides but zero, written in place; sharing memory with each other
+        or with ``kv`` is refused.
+      k_scale, v_scale: fp32[n_layers], only for a float8_e4m3fn cache, which then holds
+        ``value / scale`` saturated to +-448, rounded once from fp32.
+
+    Returns:
+      ``(k_cache, v_cache)``.
+    """
+    return prepare_cache_call(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, num_kv_heads, head_dim,
+        rotary_dim, rope_style, k_scale, v_scale,
+    ).launch_into_cache(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale,
+                        v_scale)
