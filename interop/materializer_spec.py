@@ -312,6 +312,16 @@ def stacked_op_arrays(layers, cos_sin_cache=None):
             np.array([layer.eps for layer in layers], np.float32), table)
 
 
+def projection_reference(layers, ctx_hidden) -> np.ndarray:
+    """The stacked K/V projection in NumPy: ``kv[t, l] = ctx_hidden[t] @ kv_proj_weight[l]^T``
+    in fp32, fp32[total_ctx, n_layers, 2*kv_size], after rounding ``ctx_hidden`` to the
+    weights' dtype as the materializers do."""
+    dtype = as_numpy(layers[0].kv_proj_weight).dtype
+    hidden = as_numpy(ctx_hidden).astype(dtype).astype(np.float32)
+    return np.stack([hidden @ as_numpy(layer.kv_proj_weight).astype(np.float32).T for layer in layers],
+                    axis=1)
+
+
 def materializer_reference(layers, ctx_hidden, positions, cos_sin_cache=None):
     """The materializer in NumPy: kv = ctx_hidden @ W_l^T in fp32 for every layer, then the op.
 
@@ -321,9 +331,6 @@ def materializer_reference(layers, ctx_hidden, positions, cos_sin_cache=None):
     """
     config = validate_layers(layers, cos_sin_cache)
     dtype = numpy_dtype(config.weight_dtype)
-    hidden = as_numpy(ctx_hidden).astype(dtype).astype(np.float32)
-    kv = np.stack([hidden @ as_numpy(layer.kv_proj_weight).astype(np.float32).T
-                   for layer in layers], axis=1)
     k, v = fused_kv_norm_rope_reference(
-        kv, *stacked_op_arrays(layers, cos_sin_cache), as_numpy(positions), **config.op_kwargs())
+        projection_reference(layers, ctx_hidden), *stacked_op_arrays(layers, cos_sin_cache), as_numpy(positions), **config.op_kwargs())
     return k.astype(dtype), v.astype(dtype)

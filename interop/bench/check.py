@@ -14,6 +14,7 @@ import numpy as np
 
 from interop.arrays import as_numpy
 from interop.exchange import framework_of
+from interop.materializer_spec import materializer_reference, projection_reference
 from interop.reference import fused_kv_norm_rope_reference
 from interop.testing import END_TO_END_TOLERANCE, bit_mismatches, compare
 
@@ -85,15 +86,6 @@ def op_verdict(k, v, kv, k_norm_weight, eps, cos_sin_cache, positions, *, static
     return verdict(take_rows(k, rows, 1), take_rows(v, rows, 1), k_expected, v_expected)
 
 
-def projection_reference(layers, ctx_hidden: np.ndarray) -> np.ndarray:
-    """The stacked K/V projection in fp32 NumPy, rounded once to the weights' dtype:
-    ``kv[t, l] = ctx_hidden[t] @ kv_proj_weight[l]^T``, [total_ctx, n_layers, 2*kv_size]."""
-    dtype = as_numpy(layers[0].kv_proj_weight).dtype
-    hidden = ctx_hidden.astype(dtype).astype(np.float32)
-    kv = np.stack([hidden @ as_numpy(layer.kv_proj_weight).astype(np.float32).T for layer in layers], axis=1)
-    return kv.astype(dtype)
-
-
 def projection_verdict(kv, ctx_hidden, layers) -> str:
     """``'ok'``, or what is wrong with ``kv``, a materializer's GEMM output for ``ctx_hidden``.
 
@@ -105,8 +97,9 @@ def projection_verdict(kv, ctx_hidden, layers) -> str:
     if unwritten:
         return f"FAIL: {unwritten} elements unwritten (NaN)"
     rows = checked_rows(int(kv.shape[0]))
-    result = compare(take_rows(kv, rows, 0), projection_reference(layers, take_rows(ctx_hidden, rows, 0)),
-                     name="kv", tolerance=END_TO_END_TOLERANCE)
+    weight_dtype = as_numpy(layers[0].kv_proj_weight).dtype
+    expected = projection_reference(layers, take_rows(ctx_hidden, rows, 0)).astype(weight_dtype)
+    result = compare(take_rows(kv, rows, 0), expected, name="kv", tolerance=END_TO_END_TOLERANCE)
     return "ok" if result.ok else "FAIL: " + result.report()
 
 
@@ -118,7 +111,6 @@ def end_to_end_verdict(k, v, layers, ctx_hidden, positions) -> str:
     on a second GEMM of the same inputs would hold the GEMM to its own rounding, which XLA
     may reach by another algorithm in another compilation.
     """
-    from interop.materializer_spec import materializer_reference
 
     unwritten = count_nan(k) + count_nan(v)
     if unwritten:
