@@ -130,7 +130,7 @@ def _prepared(metadata: tuple, validate, device: torch.device, to_slots: bool, q
         call = validate()
         _check_runnable(device)
         plan = _plan(call.config, call.total_ctx, call.n_layers, to_slots, quantize_k, quantize_v,
-                            None, None, None, supports_dependent_launch(device))
+                     None, None, None, supports_dependent_launch(device))
         if len(_PREPARED_CALLS) >= _MAX_PREPARED_CALLS:
             _PREPARED_CALLS.clear()
         prepared = _PREPARED_CALLS[metadata] = PreparedCall(call, plan, {})

@@ -251,7 +251,7 @@ def jax_section(quick: bool) -> dict:
     from jax.sharding import AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from fusedkv_jax import FusedKVMaterializer, fused_kv_norm_rope, fused_kv_norm_rope_into_cache
+    from fusedkv_jax import FusedKVMaterializer, fused_kv_norm_rope
     from fusedkv_jax.sharding import head_major_kv, head_parallel_materializer
 
     steps = 20 if quick else 100

@@ -1,7 +1,7 @@
-import argparse
+"""``python -m interop.bench``: the same as ``fusedkv bench``."""
+
 import sys
 
-from interop.bench import add_bench_arguments, run_bench_command
+from interop.command.cli import main
 
-sys.exit(run_bench_command(add_bench_arguments(argparse.ArgumentParser(prog="python -m interop.bench"))
-                           .parse_args()))
+sys.exit(main(["bench", *sys.argv[1:]]))

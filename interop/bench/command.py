@@ -13,7 +13,6 @@ import datetime
 import importlib.metadata
 import importlib.util
 import logging
-import os
 import pathlib
 import sys
 
@@ -121,8 +120,6 @@ def _versions() -> dict[str, str]:
 
 def run_bench_command(args: argparse.Namespace) -> int:
     """Run the bench with the options of :func:`add_bench_arguments`; returns the exit status."""
-    # torch and jax share the GPU in one process: XLA must not claim 75% of it up front.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     unknown = unknown_words(args.only or [])
     if unknown:
         print(f"fusedkv bench: unknown --only words {unknown}; expected implementations "

@@ -242,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "info":
         return _info()
     if args.command == "bench":
+        # torch and jax share the GPU in one process: XLA must not claim 75% of it up front.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         return run_bench_command(args)
     return _check(command, args)
 
