@@ -35,13 +35,13 @@ unmeasured kernel.
 
 Tiling: one program per (block of ``block_tokens`` tokens, layer, block of
 ``block_heads`` heads) works on a ``[block_tokens, block_heads, head_dim]`` tile,
-``head_dim`` padded to a power of two and masked. With every head in the block (the
+column runs padded to powers of two and masked. With every head in the block (the
 default), a program reads contiguous K and V rows of ``kv`` and, without a cache,
 writes one contiguous chunk of each output; the cos/sin rows are loaded once per
-token and shared by all heads. The RoPE partner of each element is a second,
-L1-resident load of the K tile at permuted columns, which keeps partial rotary,
-``gptj`` and non-power-of-two ``head_dim`` on one code path (16-byte loads for
-``neox``; ``gptj``'s pair swap makes that second load element-wise).
+token and shared by all heads. ``neox`` K is loaded as its two rotary halves and its
+unrotated tail, so each element meets its RoPE partner in registers; ``gptj``'s
+interleaved pairs are no run of columns, so its K row is loaded whole and again at
+permuted columns (an L1-resident second load) for the partners.
 """
 
 from __future__ import annotations
@@ -68,16 +68,18 @@ from interop.spec import (
 
 from fusedkv_jax import mosaic_kernel
 
-# A tile of about this many K elements per program, and this many per thread, keep the
-# K tile, its RoPE partner, V, cos and sin in registers: 64-80 per thread, no spills, by
-# ptxas for sm_90 (32 per thread take 128-132). On the H200 (2026-11-29, bf16, 5 layers,
-# 8 heads, head_dim 128) one token of all heads per program beat two, four and eight:
-# 44.9 us against 46.7-50.7 at 4096 tokens, 350.6 against 370-396 at 32768.
+# A tile of about this many K elements per program keeps K, V, cos and sin in registers
+# without spills. On the H200 (2026-11-29, bf16, 5 layers, 8 heads, head_dim 128) one
+# token of all heads per program beat two, four and eight (BENCHMARKS.md).
 _TILE_ELEMENTS = 1024
-_ELEMENTS_PER_THREAD = 16
-# Below this many programs (two per H200 multiprocessor) a short context leaves the
-# GPU idle, so smaller token blocks are taken instead.
-_MIN_PROGRAMS = 264
+# Threads per program: each holds this many elements of the narrowest run of columns a
+# tile loads (a rotary half for neox; gptj loads whole rows). On the H200 (2026-12-01,
+# in jit) 4 beat 8 by 2-4% in the draft and head_dim-256 shapes and 2 lost by 8% with
+# rotary 64 of 128 (BENCHMARKS.md).
+_RUN_ELEMENTS_PER_THREAD = {"neox": 4, "gptj": 16}
+# Below this many programs per multiprocessor a short context leaves the GPU idle, so
+# smaller token blocks are taken instead.
+_MIN_PROGRAMS_PER_MULTIPROCESSOR = 2
 # Interpret mode runs the grid as a loop that pays per program in proportion to the
 # arrays' size: a CPU run proves logic, not tiles, so it takes tiles of up to this many
 # K elements (5 layers, 8 heads of 128, 2048 tokens: 0.67 s a call against 40 s or more).
@@ -92,26 +94,65 @@ def _store(ref, value, *, mask):
     plgpu.store(ref, value.astype(ref.dtype), mask=mask)
 
 
-def _rope_columns(rope_style: str, rotary_dim: int, block_dim: int):
-    """For each of the tile's ``block_dim`` columns: its cos/sin index, RoPE partner, sign.
+def _inverse_rms(sum_squares, eps, head_dim: int, position_ok):
+    """``rsqrt(mean(k*k) + eps)`` per head row, with the edge values of interop.reference.
 
-    ``rotated = kn * cos[freq] + kn[partner] * sign * sin[freq]``; columns at or
-    beyond ``rotary_dim`` are their own partner with sign 0 (left unrotated).
+    Zeros where there is no scale to normalize by (rsqrt flushes denormals, hence a
+    threshold), NaN where the sum of squares is not finite (NaN or Inf in K, k*k
+    overflowed) or the token has no rotation: a NaN poisons the whole row, the unrotated
+    tail included.
     """
-    dims = jnp.arange(block_dim)
-    half = rotary_dim // 2
+    mean_square_eps = sum_squares / head_dim + eps
+    inv_rms = jnp.where(mean_square_eps < SMALLEST_NORMAL_FP32, 0.0, jax.lax.rsqrt(mean_square_eps))
+    return jnp.where(position_ok[:, None, None] & (sum_squares < jnp.inf), inv_rms, jnp.nan)
+
+
+def _neox_k(load_k, load_weight, load_cos_sin, eps, position_ok, *, head_dim: int, rotary_dim: int):
+    """``neox`` K as ``(columns, values, columns_ok)`` pieces: the two rotary halves and the
+    unrotated tail, each a contiguous run of columns.
+
+    Loaded as separate runs, every element of a tile is read once with wide loads and
+    meets its RoPE partner in registers (H200, in jit: 6-9% faster than the whole row
+    plus a second, permuted load of it; BENCHMARKS.md).
+    """
+    half, tail = rotary_dim // 2, head_dim - rotary_dim
+    pairs = jnp.arange(pl.next_power_of_2(half))
+    pieces = [(pairs, pairs < half), (half + pairs, pairs < half)]
+    if tail:
+        tail_columns = rotary_dim + jnp.arange(pl.next_power_of_2(tail))
+        pieces.append((tail_columns, tail_columns < head_dim))
+    parts = [load_k(columns, ok) for columns, ok in pieces]
+    weights = [load_weight(columns, ok) for columns, ok in pieces]
+    cos, sin = load_cos_sin(pairs, pairs < half)
+    inv_rms = _inverse_rms(sum(jnp.sum(part * part, axis=-1, keepdims=True) for part in parts),
+                           eps, head_dim, position_ok)
+    first, second, *rest = [part * inv_rms * weight for part, weight in zip(parts, weights)]
+    # The unrotated tail is kn itself: through a rotation by (cos 1, sin 0) an infinite kn
+    # would meet Inf * 0 and turn into NaN.
+    values = [first * cos - second * sin, second * cos + first * sin, *rest]
+    return [(columns, value, ok) for (columns, ok), value in zip(pieces, values)]
+
+
+def _gptj_k(load_k, load_weight, load_cos_sin, eps, position_ok, *, head_dim: int, rotary_dim: int):
+    """``gptj`` K as one ``(columns, values, columns_ok)`` piece, the whole row.
+
+    Interleaved pairs are no run of columns: each element's partner (its pair's other
+    member) comes from a second, L1-resident load of the row at permuted columns.
+    """
+    dims = jnp.arange(pl.next_power_of_2(head_dim))
+    dim_ok = dims < head_dim
     rotated = dims < rotary_dim
-    if rope_style == "neox":
-        first = dims < half
-        freq = jnp.where(first, dims, dims - half)
-        partner = jnp.where(first, dims + half, dims - half)
-    else:
-        first = dims % 2 == 0
-        freq = dims // 2
-        partner = jnp.where(first, dims + 1, dims - 1)
-    sign = jnp.where(first, -1.0, 1.0).astype(jnp.float32)
-    return (jnp.where(rotated, freq, 0), jnp.where(rotated, partner, dims),
-            jnp.where(rotated, sign, 0.0), rotated)
+    first = dims % 2 == 0
+    partner = jnp.where(rotated, jnp.where(first, dims + 1, dims - 1), dims)
+    sign = jnp.where(rotated, jnp.where(first, -1.0, 1.0), 0.0).astype(jnp.float32)
+    k, k_partner = load_k(dims, dim_ok), load_k(partner, dim_ok)
+    weight, weight_partner = load_weight(dims, dim_ok), load_weight(partner, dim_ok)
+    cos, sin = load_cos_sin(jnp.where(rotated, dims // 2, 0), rotated)
+    inv_rms = _inverse_rms(jnp.sum(k * k, axis=-1, keepdims=True), eps, head_dim, position_ok)
+    k_normed = k * inv_rms * weight
+    k_rotated = k_normed * cos + (k_partner * inv_rms * weight_partner) * (sin * sign)
+    # The unrotated tail is kn itself (see _neox_k).
+    return [(dims, jnp.where(rotated, k_rotated, k_normed), dim_ok)]
 
 
 def _fused_kv_kernel(
@@ -134,21 +175,19 @@ def _fused_kv_kernel(
     k_out_ref, v_out_ref = refs[-2:]
     total_ctx, max_position = kv_ref.shape[0], cos_sin_ref.shape[0]
     num_rows = k_out_ref.shape[1]
-    block_dim = pl.next_power_of_2(head_dim)
     kv_size = num_kv_heads * head_dim
 
     layer = pl.program_id(1)
     tokens = pl.program_id(0) * block_tokens + jnp.arange(block_tokens)
     heads = pl.program_id(2) * block_heads + jnp.arange(block_heads)
-    dims = jnp.arange(block_dim)
     token_ok = tokens < total_ctx
-    dim_ok = dims < head_dim
-    tile_ok = token_ok[:, None, None] & (heads < num_kv_heads)[None, :, None] & dim_ok[None, None, :]
+    rows_ok = token_ok[:, None, None] & (heads < num_kv_heads)[None, :, None]
     token_index = tokens[:, None, None]
     head_base = heads[None, :, None] * head_dim
 
-    def load_kv(columns):
-        return _load(kv_ref.at[token_index, layer, columns], mask=tile_ok, other=0.0)
+    def load_kv(columns, columns_ok):
+        return _load(kv_ref.at[token_index, layer, head_base + columns[None, None, :]],
+                     mask=rows_ok & columns_ok[None, None, :], other=0.0)
 
     # Every load that does not wait for another is issued first: the cos/sin rows wait
     # for the positions, and at short contexts that chain is most of the kernel's time.
@@ -158,43 +197,34 @@ def _fused_kv_kernel(
         row_ok = token_ok & (rows >= 0) & (rows < num_rows)
     else:
         rows, row_ok = tokens, token_ok
-    freq, partner, sign, rotated = _rope_columns(rope_style, rotary_dim, block_dim)
-    k = load_kv(head_base + dims[None, None, :]).astype(jnp.float32)
-    k_partner = load_kv(head_base + partner[None, None, :]).astype(jnp.float32)
-    v = load_kv(kv_size + head_base + dims[None, None, :])
-    weight = _load(weight_ref.at[layer, dims], mask=dim_ok, other=0.0).astype(jnp.float32)
-    weight_partner = _load(weight_ref.at[layer, partner], mask=dim_ok, other=0.0).astype(jnp.float32)
+    v_columns = jnp.arange(pl.next_power_of_2(head_dim))
+    v_columns_ok = v_columns < head_dim
+    v = load_kv(kv_size + v_columns, v_columns_ok)
     eps = _load(eps_ref.at[layer], mask=None, other=None)
-
     position_ok = (positions >= 0) & (positions < max_position)
-    # An out-of-range position is never read: its row is masked and becomes NaN below.
-    row_mask = (token_ok & position_ok)[:, None] & rotated[None, :]
     position_index = positions[:, None]
-    cos = _load(cos_sin_ref.at[position_index, freq[None, :]], mask=row_mask, other=1.0)
-    sin = _load(cos_sin_ref.at[position_index, rotary_dim // 2 + freq[None, :]],
-                mask=row_mask, other=0.0)
+    # An out-of-range position is never read: its row is masked and becomes NaN.
+    rotation_ok = (token_ok & position_ok)[:, None]
 
-    sum_squares = jnp.sum(k * k, axis=-1, keepdims=True)
-    mean_square_eps = sum_squares / head_dim + eps
-    # The edge values of interop.reference, decided once per head row: zeros where there is
-    # no scale to normalize by (rsqrt flushes denormals, hence a threshold), NaN where the
-    # sum of squares is not finite (NaN or Inf in K, k*k overflowed) or the token has no
-    # rotation. A NaN inv_rms poisons the whole row, the unrotated tail included.
-    inv_rms = jnp.where(mean_square_eps < SMALLEST_NORMAL_FP32, 0.0, jax.lax.rsqrt(mean_square_eps))
-    inv_rms = jnp.where(position_ok[:, None, None] & (sum_squares < jnp.inf), inv_rms, jnp.nan)
-    k_normed = k * inv_rms * weight
-    k_rotated = k_normed * cos[:, None, :] + (
-        (k_partner * inv_rms * weight_partner) * (sin * sign[None, :])[:, None, :])
-    # The unrotated tail is kn itself: through the rotation (cos 1, sin 0) an infinite kn
-    # would meet Inf * 0 and turn into NaN.
-    k_rotated = jnp.where(rotated[None, None, :], k_rotated, k_normed)
+    def load_cos_sin(frequencies, frequencies_ok):
+        """The cos and sin values of each token's position, ``[block_tokens, 1, width]``."""
+        mask = rotation_ok & frequencies_ok[None, :]
+        cos = _load(cos_sin_ref.at[position_index, frequencies[None, :]], mask=mask, other=1.0)
+        sin = _load(cos_sin_ref.at[position_index, rotary_dim // 2 + frequencies[None, :]], mask=mask, other=0.0)
+        return cos[:, None, :], sin[:, None, :]
+
+    k_pieces = (_neox_k if rope_style == "neox" else _gptj_k)(
+        lambda columns, ok: load_kv(columns, ok).astype(jnp.float32),
+        lambda columns, ok: _load(weight_ref.at[layer, columns], mask=ok, other=0.0).astype(jnp.float32),
+        load_cos_sin, eps, position_ok, head_dim=head_dim, rotary_dim=rotary_dim)
 
     # Skipped rows point one past the end: masked on the GPU, and dropped (not written
     # back with a stale value) by interpret mode's scatter.
     row_index = jnp.where(row_ok, rows, num_rows)[:, None, None]
-    store_ok = tile_ok & row_ok[:, None, None]
-    for out_ref, value, scale_ref in ((k_out_ref, k_rotated, k_scale_ref),
-                                      (v_out_ref, v, v_scale_ref)):
+    store_ok = rows_ok & row_ok[:, None, None]
+    pieces = [(k_out_ref, k_scale_ref, piece) for piece in k_pieces]
+    pieces.append((v_out_ref, v_scale_ref, (v_columns, v, v_columns_ok)))
+    for out_ref, scale_ref, (columns, value, columns_ok) in pieces:
         if scale_ref is not None:
             scale = _load(scale_ref.at[layer], mask=None, other=None)
             value = value.astype(jnp.float32) / scale
@@ -202,16 +232,19 @@ def _fused_kv_kernel(
             # turn the NaN of a poisoned row into 448.
             value = jnp.where(value > FP8_E4M3_MAX, FP8_E4M3_MAX,
                               jnp.where(value < -FP8_E4M3_MAX, -FP8_E4M3_MAX, value))
-        _store(out_ref.at[layer, row_index, heads[None, :, None], dims[None, None, :]],
-               value, mask=store_ok)
+        _store(out_ref.at[layer, row_index, heads[None, :, None], columns[None, None, :]],
+               value, mask=store_ok & columns_ok[None, None, :])
 
 
 def default_tile(total_ctx: int, n_layers: int, num_kv_heads: int, head_dim: int, *,
+                 rotary_dim: int | None = None, rope_style: str = "neox",
                  block_tokens: int | None = None, block_heads: int | None = None,
                  num_warps: int | None = None, interpret: bool = False) -> tuple[int, int, int]:
     """``(block_tokens, block_heads, num_warps)`` for a call of this size: the overrides
     given, the rest chosen (``interpret``: few, large programs). ``n_layers`` counts in
-    the number of programs, which sets how many tokens a tile takes."""
+    the number of programs, which sets how many tokens a tile takes; ``rotary_dim``
+    (``head_dim`` when None) and ``rope_style`` set the width of the loads, which sets
+    the threads."""
     block_tokens, block_heads, num_warps = (
         None if value is None else tile_argument(name, value)
         for name, value in (("block_tokens", block_tokens), ("block_heads", block_heads),
@@ -225,19 +258,30 @@ def default_tile(total_ctx: int, n_layers: int, num_kv_heads: int, head_dim: int
     if block_tokens is None and interpret:
         fitting = max(1, _INTERPRETED_TILE_ELEMENTS // (block_heads * block_dim))
         block_tokens = min(pl.next_power_of_2(max(1, total_ctx)), 1 << (fitting.bit_length() - 1))
+    enough_programs = 1 if interpret else _MIN_PROGRAMS_PER_MULTIPROCESSOR * _multiprocessors()
     if block_tokens is None:
         block_tokens = max(1, _TILE_ELEMENTS // (block_heads * block_dim))
-        while block_tokens > 1 and programs(block_tokens) < _MIN_PROGRAMS:
+        while block_tokens > 1 and programs(block_tokens) < enough_programs:
             block_tokens //= 2
     if num_warps is None:
-        tile = block_tokens * block_heads * block_dim
-        elements_per_thread = _ELEMENTS_PER_THREAD
-        if programs(block_tokens) < _MIN_PROGRAMS:
+        run = pl.next_power_of_2((head_dim if rotary_dim is None else rotary_dim) // 2
+                                 if rope_style == "neox" else head_dim)
+        run_elements_per_thread = _RUN_ELEMENTS_PER_THREAD[rope_style]
+        if programs(block_tokens) < enough_programs:
             # Too few programs to fill the GPU: spread each over more threads so more
-            # loads are in flight at once (H200, 16 tokens: 1.34 us with 4 warps, 2.03 with 2).
-            elements_per_thread //= 2
-        num_warps = min(8, max(1, tile // (32 * elements_per_thread)))
+            # loads are in flight at once.
+            run_elements_per_thread = max(1, run_elements_per_thread // 2)
+        num_warps = min(8, max(1, block_tokens * block_heads * run // (32 * run_elements_per_thread)))
     return block_tokens, block_heads, num_warps
+
+
+@functools.cache
+def _multiprocessors() -> int:
+    """The multiprocessors of jax's first GPU (132 on an H200), 1 without a GPU."""
+    try:
+        return max(1, int(getattr(jax.devices("gpu")[0], "core_count", 1)))
+    except RuntimeError:  # no GPU backend
+        return 1
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -402,6 +446,7 @@ def fused_kv_norm_rope(
     check_output_buffers(given_kv, outputs)
     interpret = _on_cpu(kv) if interpret is None else interpret
     tile = default_tile(call.total_ctx, call.n_layers, call.config.num_kv_heads, call.config.head_dim,
+                        rotary_dim=call.config.rotary_dim, rope_style=call.config.rope_style,
                         block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps,
                         interpret=interpret)
     lowering = _lowering(lowering, call, kv.dtype, interpret,
@@ -513,6 +558,7 @@ def fused_kv_norm_rope_into_cache(
     check_output_buffers(given_kv, caches)
     interpret = _on_cpu(kv) if interpret is None else interpret
     tile = default_tile(call.total_ctx, call.n_layers, call.config.num_kv_heads, call.config.head_dim,
+                        rotary_dim=call.config.rotary_dim, rope_style=call.config.rope_style,
                         block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps,
                         interpret=interpret)
     if call.total_ctx == 0:
