@@ -13,6 +13,7 @@ machine runs both, the interpreted torch kernel in a process started with
 from __future__ import annotations
 
 import contextlib
+import re
 
 import numpy as np
 
@@ -91,10 +92,19 @@ class TorchBackend:
 
         assert_bit_exact(array, before, name=name)
 
+    @staticmethod
+    def error_pattern(message: str) -> str:
+        """A ``pytest.raises(match=...)`` pattern for exactly ``message``."""
+        return f"^{re.escape(message)}$"
+
     @property
     def device_name(self) -> str:
         """The device as validation messages name it."""
         return device_name(self.put(np.zeros(1, np.float32)))
+
+
+JAX_TRACEBACK_NOTE = (r"(\n-+\nFor simplicity, JAX has removed its internal frames from the traceback of the "
+                      r"following exception\. Set JAX_TRACEBACK_FILTERING=off to include these\.)?")
 
 
 class JaxBackend:
@@ -128,9 +138,12 @@ class JaxBackend:
         return self.jax.default_device(self.device)
 
     def put(self, host: np.ndarray):
-        from interop.exchange import to_jax
-
-        return self.jax.device_put(to_jax(np.ascontiguousarray(host)), self.device)
+        """A jax array on the kernel's device; but an array of a dtype jax would narrow
+        (float64, int64 with x64 off) stays NumPy, as the entry points take it, so that
+        what they are given is the dtype the test names."""
+        if self.jax.dtypes.canonicalize_dtype(host.dtype) != host.dtype:
+            return host.copy()
+        return self.jax.device_put(np.ascontiguousarray(host), self.device)
 
     def put_small(self, host: np.ndarray, on_host: bool):
         return host.copy() if on_host else self.put(host)
@@ -159,6 +172,11 @@ class JaxBackend:
         if hasattr(array, "is_deleted"):
             assert not array.is_deleted(), f"{name} was donated by a call that was refused"
         assert_bit_exact(array, before, name=name)
+
+    @staticmethod
+    def error_pattern(message: str) -> str:
+        """Exactly ``message``, but for the note jax appends to an error raised while it traces."""
+        return f"^{re.escape(message)}{JAX_TRACEBACK_NOTE}$"
 
     @property
     def device_name(self) -> str:
