@@ -21,8 +21,37 @@ from interop.arrays import as_numpy
 from interop.spec import device_name
 
 
-class TorchBackend:
+class Backend:
+    """What both backends share; each says what it takes, as its refusal of other arrays
+    words it, and what it refuses (``foreign``)."""
+
+    name: str
+    takes: str
+    foreign_type: str
+    # What follows a refusal's message (jax: a note on an error raised while it traces).
+    message_tail = ""
+
+    def error_pattern(self, message: str) -> str:
+        """A ``pytest.raises(match=...)`` pattern for exactly ``message``."""
+        return f"^{re.escape(message)}{self.message_tail}$"
+
+    def assert_untouched(self, array, before: np.ndarray, name: str = "buffer") -> None:
+        """``array`` still holds ``before``, bit for bit."""
+        from interop.testing import assert_bit_exact
+
+        assert_bit_exact(array, before, name=name)
+
+    @property
+    def device_name(self) -> str:
+        """The device as validation messages name it."""
+        return device_name(self.put(np.zeros(1, np.float32)))
+
+
+class TorchBackend(Backend):
     name = "torch"
+    takes = ("a torch.Tensor (fusedkv_torch takes torch tensors; interop.fused_kv_norm_rope takes arrays of any "
+             "framework)")
+    foreign_type = "numpy.ndarray"
     # Given outputs and caches are written in place and returned as given.
     writes_in_place = True
 
@@ -87,28 +116,15 @@ class TorchBackend:
         """``hidden @ weight^T`` by the framework's own GEMM."""
         return hidden @ weight.t()
 
-    def assert_untouched(self, array, before: np.ndarray, name: str = "buffer") -> None:
-        from interop.testing import assert_bit_exact
-
-        assert_bit_exact(array, before, name=name)
-
-    @staticmethod
-    def error_pattern(message: str) -> str:
-        """A ``pytest.raises(match=...)`` pattern for exactly ``message``."""
-        return f"^{re.escape(message)}$"
-
-    @property
-    def device_name(self) -> str:
-        """The device as validation messages name it."""
-        return device_name(self.put(np.zeros(1, np.float32)))
 
 
-JAX_TRACEBACK_NOTE = (r"(\n-+\nFor simplicity, JAX has removed its internal frames from the traceback of the "
-                      r"following exception\. Set JAX_TRACEBACK_FILTERING=off to include these\.)?")
-
-
-class JaxBackend:
+class JaxBackend(Backend):
     name = "jax"
+    takes = ("a jax or NumPy array (fusedkv_jax takes jax and NumPy arrays; interop.fused_kv_norm_rope takes "
+             "arrays of any framework)")
+    foreign_type = "torch.Tensor"
+    message_tail = (r"(\n-+\nFor simplicity, JAX has removed its internal frames from the traceback of the "
+                    r"following exception\. Set JAX_TRACEBACK_FILTERING=off to include these\.)?")
     # jax arrays are immutable: given outputs and caches are replaced by the returned arrays.
     writes_in_place = False
     triton_interpreter = False  # Pallas interpret mode rounds like XLA
@@ -167,20 +183,9 @@ class JaxBackend:
         return self.jax.numpy.dot(hidden, weight.T)
 
     def assert_untouched(self, array, before: np.ndarray, name: str = "buffer") -> None:
-        from interop.testing import assert_bit_exact
-
         if hasattr(array, "is_deleted"):
             assert not array.is_deleted(), f"{name} was donated by a call that was refused"
-        assert_bit_exact(array, before, name=name)
-
-    @staticmethod
-    def error_pattern(message: str) -> str:
-        """Exactly ``message``, but for the note jax appends to an error raised while it traces."""
-        return f"^{re.escape(message)}{JAX_TRACEBACK_NOTE}$"
-
-    @property
-    def device_name(self) -> str:
-        return device_name(self.put(np.zeros(1, np.float32)))
+        super().assert_untouched(array, before, name)
 
 
 BACKENDS = {"torch": TorchBackend, "jax": JaxBackend}

@@ -33,13 +33,6 @@ FP8 = "float8_e4m3fn"
 # a short decimal) divides bf16 values into exact fp8 ties, which Triton's interpreter
 # rounds away from zero (the GPU, like the reference, to even).
 SCALES = (2.0 ** np.random.default_rng(8).uniform(-6.6, 0, (2, 3))).astype(np.float32)
-TAKES = {
-    "torch": "a torch.Tensor (fusedkv_torch takes torch tensors; interop.fused_kv_norm_rope takes arrays of any "
-             "framework)",
-    "jax": "a jax or NumPy array (fusedkv_jax takes jax and NumPy arrays; interop.fused_kv_norm_rope takes arrays "
-           "of any framework)",
-}
-FOREIGN_TYPE = {"torch": "numpy.ndarray", "jax": "torch.Tensor"}
 
 
 @dataclasses.dataclass
@@ -257,8 +250,8 @@ class TestMaterializer:
         arguments[name] = backend.foreign(host(arguments[name]))
         before = s.poisoned_cache()
         k_cache, v_cache = backend.put(before), backend.put(before)
-        message = (f"Invalid {name} for fused KV materialization: got {FOREIGN_TYPE[backend.name]}, "
-                   f"expected {TAKES[backend.name]}.")
+        message = (f"Invalid {name} for fused KV materialization: got {backend.foreign_type}, "
+                   f"expected {backend.takes}.")
         with pytest.raises(TypeError, match=backend.error_pattern(message)):
             s.materializer.materialize_into_cache(arguments["ctx_hidden"], arguments["positions"],
                                                   backend.put(np.arange(4)), k_cache, v_cache)

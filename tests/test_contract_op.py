@@ -434,6 +434,12 @@ BAD_CACHE_CALLS = {
                                 "for a float8_e4m3fn cache."),
 }
 
+# entry point: (its good call, its bad calls, the buffers it writes).
+ENTRY_POINTS = {
+    "fused_kv_norm_rope": (good_call, BAD_CALLS, ("k_out", "v_out")),
+    "fused_kv_norm_rope_into_cache": (good_cache_call, BAD_CACHE_CALLS, ("k_cache", "v_cache")),
+}
+
 # The sizes that are not positive ints, refused before any work.
 BAD_SIZES = {
     "heads-2.5": (dict(num_kv_heads=2.5), TypeError,
@@ -455,14 +461,6 @@ BAD_SIZES = {
                      "[2, 64]."),
 }
 
-# What each backend takes, as its refusal of other arrays says.
-TAKES = {
-    "torch": "a torch.Tensor (fusedkv_torch takes torch tensors; interop.fused_kv_norm_rope takes arrays of any "
-             "framework)",
-    "jax": "a jax or NumPy array (fusedkv_jax takes jax and NumPy arrays; interop.fused_kv_norm_rope takes arrays "
-           "of any framework)",
-}
-FOREIGN_TYPE = {"torch": "numpy.ndarray", "jax": "torch.Tensor"}
 OVERLAP = "got a buffer overlapping {}, expected outputs that overlap neither each other nor kv."
 
 
@@ -487,25 +485,17 @@ class TestRefusals:
 
     interpret = False
 
-    @pytest.mark.parametrize("name", BAD_CALLS)
-    def test_a_bad_call_raises_its_message_and_writes_nothing(self, backend, name):
-        change, message = BAD_CALLS[name]
-        arguments, settings = changed(good_call(), change)
+    @pytest.mark.parametrize("entry_point, name", [(entry_point, name) for entry_point, (_, bad_calls, _) in
+                                                   ENTRY_POINTS.items() for name in bad_calls])
+    def test_a_bad_call_raises_its_message_and_writes_nothing(self, backend, entry_point, name):
+        good, bad_calls, outputs = ENTRY_POINTS[entry_point]
+        change, message = bad_calls[name]
+        arguments, settings = changed(good(), change)
         given = put_all(backend, arguments)
         with pytest.raises(ValueError, match=backend.error_pattern(message.format(device=backend.device_name))):
-            backend.kernel.fused_kv_norm_rope(**given, **settings)
-        for output in ("k_out", "v_out"):
+            getattr(backend.kernel, entry_point)(**given, **settings)
+        for output in outputs:
             backend.assert_untouched(given[output], arguments[output], name=output)
-
-    @pytest.mark.parametrize("name", BAD_CACHE_CALLS)
-    def test_a_bad_cache_call_raises_its_message_and_writes_nothing(self, backend, name):
-        change, message = BAD_CACHE_CALLS[name]
-        arguments, settings = changed(good_cache_call(), change)
-        given = put_all(backend, arguments)
-        with pytest.raises(ValueError, match=backend.error_pattern(message.format(device=backend.device_name))):
-            backend.kernel.fused_kv_norm_rope_into_cache(**given, **settings)
-        for cache in ("k_cache", "v_cache"):
-            backend.assert_untouched(given[cache], arguments[cache], name=cache)
 
     def test_an_empty_context_is_still_validated(self, backend):
         arguments = put_all(backend, good_call(total_ctx=0))
@@ -533,8 +523,8 @@ class TestRefusals:
         if name == "positions":
             given[name], got = arguments[name].tolist(), "list"
         else:
-            given[name], got = backend.foreign(arguments[name]), FOREIGN_TYPE[backend.name]
-        message = f"Invalid {name} for fused KV materialization: got {got}, expected {TAKES[backend.name]}."
+            given[name], got = backend.foreign(arguments[name]), backend.foreign_type
+        message = f"Invalid {name} for fused KV materialization: got {got}, expected {backend.takes}."
         with pytest.raises(TypeError, match=backend.error_pattern(message)):
             backend.kernel.fused_kv_norm_rope(**given, **static(REFUSED))
         backend.assert_untouched(given["k_out"], arguments["k_out"], name="k_out")
@@ -542,37 +532,28 @@ class TestRefusals:
     def test_another_frameworks_cache_is_refused_with_a_pointer_to_interop(self, backend):
         arguments = good_cache_call()
         given = dict(put_all(backend, arguments), v_cache=backend.foreign(arguments["v_cache"]))
-        message = (f"Invalid v_cache for fused KV materialization: got {FOREIGN_TYPE[backend.name]}, "
-                   f"expected {TAKES[backend.name]}.")
+        message = (f"Invalid v_cache for fused KV materialization: got {backend.foreign_type}, "
+                   f"expected {backend.takes}.")
         with pytest.raises(TypeError, match=backend.error_pattern(message)):
             backend.kernel.fused_kv_norm_rope_into_cache(**given, **static(REFUSED))
         backend.assert_untouched(given["k_cache"], arguments["k_cache"], name="k_cache")
 
-    def test_one_array_as_both_outputs_is_refused_on_every_call_and_nothing_is_written(self, backend):
-        arguments = good_call()
+    @pytest.mark.parametrize("entry_point", ENTRY_POINTS)
+    def test_one_array_as_both_outputs_is_refused_on_every_call_and_nothing_is_written(self, backend, entry_point):
+        good, _, (first, second) = ENTRY_POINTS[entry_point]
+        call = getattr(backend.kernel, entry_point)
+        arguments = good()
         given = put_all(backend, arguments)
         # The same metadata with separate outputs first: accepted (and, in torch, remembered).
-        backend.kernel.fused_kv_norm_rope(**given, **static(REFUSED))
-        given["k_out"] = backend.put(arguments["k_out"])
-        given["v_out"] = given["k_out"]
-        message = "Invalid v_out for fused KV materialization: " + OVERLAP.format("k_out")
+        call(**given, **static(REFUSED))
+        given[first] = backend.put(arguments[first])
+        given[second] = given[first]
+        message = f"Invalid {second} for fused KV materialization: " + OVERLAP.format(first)
         for _ in range(2):
             with pytest.raises(ValueError, match=backend.error_pattern(message)):
-                backend.kernel.fused_kv_norm_rope(**given, **static(REFUSED))
-        backend.assert_untouched(given["k_out"], arguments["k_out"], name="k_out")
+                call(**given, **static(REFUSED))
+        backend.assert_untouched(given[first], arguments[first], name=first)
         backend.assert_untouched(given["kv"], arguments["kv"], name="kv")
-
-    def test_one_array_as_both_caches_is_refused_on_every_call_and_nothing_is_written(self, backend):
-        arguments = good_cache_call()
-        given = put_all(backend, arguments)
-        backend.kernel.fused_kv_norm_rope_into_cache(**given, **static(REFUSED))  # accepted first
-        given["k_cache"] = backend.put(arguments["k_cache"])
-        given["v_cache"] = given["k_cache"]
-        message = "Invalid v_cache for fused KV materialization: " + OVERLAP.format("k_cache")
-        for _ in range(2):
-            with pytest.raises(ValueError, match=backend.error_pattern(message)):
-                backend.kernel.fused_kv_norm_rope_into_cache(**given, **static(REFUSED))
-        backend.assert_untouched(given["k_cache"], arguments["k_cache"], name="k_cache")
 
 
 class TestRefusalsInterpreted(TestRefusals):
