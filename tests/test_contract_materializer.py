@@ -101,22 +101,22 @@ class TestMaterializer:
         assert_bit_exact(v, v_expected)
 
     def test_end_to_end_matches_the_fp32_numpy_path(self, backend):
-        s = setup(backend, total_ctx=6, seed=3)
+        s = setup(backend, seed=3)
         k, v = s.materializer.materialize(s.ctx_hidden, s.positions)
         k_expected, v_expected = s.case.end_to_end_reference()
         assert_close(k, k_expected, tolerance=END_TO_END_TOLERANCE)
         assert_close(v, v_expected, name="v", tolerance=END_TO_END_TOLERANCE)
 
     def test_project_is_the_stacked_gemm_viewed_per_layer(self, backend):
-        s = setup(backend, total_ctx=4)
+        s = setup(backend)
         kv = s.materializer.project(s.ctx_hidden)
-        assert kv.shape == (4, 3, 2 * OP.kv_size)
+        assert kv.shape == (8, 3, 2 * OP.kv_size)
         for layer, layer_kv in enumerate(s.case.layers):
             expected = backend.gemm(s.ctx_hidden, backend.put(layer_kv.kv_proj_weight))
             assert_bit_exact(kv[:, layer], expected, name=f"kv of layer {layer}")
 
     def test_callback_gets_every_layer_in_order_with_the_returned_values(self, backend):
-        s = setup(backend, total_ctx=5, seed=1)
+        s = setup(backend, seed=1)
         received = []
         # torch hands views of a staging buffer it reuses: copied at once, as the docstring says.
         s.materializer.materialize_layers(s.ctx_hidden, s.positions,
@@ -124,32 +124,33 @@ class TestMaterializer:
         k_expected, v_expected = s.case.op_reference(s.kv())
         assert [layer for layer, _, _ in received] == [0, 1, 2]
         for layer, k, v in received:
-            assert k.shape == v.shape == (5, OP.num_kv_heads, OP.head_dim)
+            assert k.shape == v.shape == (8, OP.num_kv_heads, OP.head_dim)
             assert_close(k, k_expected[layer], name=f"k of layer {layer}")
             assert_bit_exact(v, v_expected[layer], name=f"v of layer {layer}")
 
     def test_into_cache_writes_each_tokens_slot_and_leaves_every_other_slot_untouched(self, backend):
-        s = setup(backend, total_ctx=6, seed=2)
+        s = setup(backend, seed=2)
         k_before, v_before = s.poisoned_cache(), s.poisoned_cache()
         # Two padding slots, one past the end; written slots are distinct.
-        cache_loc = np.array([7, -1, 0, NUM_SLOTS, 11, -5])
+        cache_loc = np.array([7, -1, 0, NUM_SLOTS, 11, -5, 3, 5])
         k, v = s.into_cache(backend.put(cache_loc), k_before, v_before)
         k_expected, v_expected = s.case.op_reference(s.kv(), cache_loc=cache_loc, k_cache=k_before, v_cache=v_before)
         assert_close(k, k_expected)
         assert_bit_exact(v, v_expected)
-        untouched = [slot for slot in range(NUM_SLOTS) if slot not in (7, 0, 11)]
+        written = [7, 0, 11, 3, 5]
+        untouched = [slot for slot in range(NUM_SLOTS) if slot not in written]
         assert_bit_exact(k[:, untouched], k_before[:, untouched], name="k padding")
         assert_bit_exact(v[:, untouched], v_before[:, untouched], name="v padding")
-        assert (k[:, [7, 0, 11]].astype(np.float32) != POISON).any()
+        assert (k[:, written].astype(np.float32) != POISON).any()
 
     @pytest.mark.parametrize("k_dtype, v_dtype", [(FP8, FP8), (FP8, "bfloat16"), ("bfloat16", FP8)],
                              ids=["fp8-both", "fp8-k-bf16-v", "bf16-k-fp8-v"])
     def test_fp8_caches_are_quantized_with_their_own_per_layer_scales(self, backend, k_dtype, v_dtype):
-        s = setup(backend, total_ctx=5, seed=5)
+        s = setup(backend, seed=5)
         k_before, v_before = s.poisoned_cache(k_dtype), s.poisoned_cache(v_dtype)
         scales = {f"{name}_scale": scale
                   for name, dtype, scale in (("k", k_dtype, SCALES[0]), ("v", v_dtype, SCALES[1])) if dtype == FP8}
-        cache_loc = np.array([2, -1, 5, 8, 10])
+        cache_loc = np.array([2, -1, 5, 8, 10, 0, 13, 7])
         k, v = s.into_cache(backend.put(cache_loc), k_before, v_before,
                             **{name: backend.put(scale) for name, scale in scales.items()})
         k_expected, v_expected = s.case.op_reference(s.kv(), cache_loc=cache_loc, k_cache=k_before,
@@ -165,12 +166,12 @@ class TestMaterializer:
             assert_bit_exact(v, v_expected)
 
     def test_out_of_range_positions_give_nan_k_rows_and_a_too_high_bound_is_refused(self, backend):
-        s = setup(backend, total_ctx=4)
+        s = setup(backend)
         # 2**32 + 5 would wrap to position 5 if a host int64 reached the kernel narrowed carelessly.
-        positions = backend.put_small(np.array([0, 2**32 + 5, -1, 255], np.int64), on_host=True)
+        positions = backend.put_small(np.array([0, 2**32 + 5, -1, 255, 256, 1, 2**31, 7], np.int64), on_host=True)
         k, _ = s.materializer.materialize(s.ctx_hidden, positions, max_position=256)
         k = host(k).astype(np.float32)
-        assert np.isnan(k[:, [1, 2]]).all() and not np.isnan(k[:, [0, 3]]).any()
+        assert np.isnan(k[:, [1, 2, 4, 6]]).all() and not np.isnan(k[:, [0, 3, 5, 7]]).any()
         with pytest.raises(ValueError, match=backend.error_pattern(
                 "Invalid max_position for fused KV materialization: got 257, expected at most 256, the rows "
                 "of cos_sin_cache.")):
@@ -186,7 +187,7 @@ class TestMaterializer:
         assert_bit_exact(v_cache, before, name="v_cache")
 
     def test_hidden_states_are_cast_once_to_the_weight_dtype(self, backend):
-        s = setup(backend, total_ctx=3)
+        s = setup(backend)
         k_bf16, v_bf16 = s.materializer.materialize(s.ctx_hidden, s.positions)
         k_fp32, v_fp32 = s.materializer.materialize(backend.put(s.case.ctx_hidden.astype(np.float32)), s.positions)
         assert host(k_fp32).dtype == numpy_dtype("bfloat16")
