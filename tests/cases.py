@@ -88,7 +88,7 @@ class OpCase:
 
 @dataclasses.dataclass(frozen=True)
 class CacheCase:
-    """A ``fused_kv_norm_rope_into_cache`` call into NaN-poisoned caches of
+    """A ``fused_kv_norm_rope_into_cache`` call into poisoned caches (:func:`poisoned`) of
     ``call.total_ctx + spare_slots`` slots; each token has its own slot (a seeded
     permutation) but those in ``skipped_slots`` ((token, slot) outside the cache)."""
 
@@ -123,8 +123,13 @@ class CacheCase:
 
 
 
-def _poisoned(shape, dtype: str) -> np.ndarray:
-    return np.full(shape, np.nan, np.float32).astype(numpy_dtype(dtype))
+def poisoned(shape, dtype: str, *, seed: int) -> np.ndarray:
+    """Values the op never writes, with NaN in every third row of the second axis (a cache
+    slot, an output token): what is not written must come back bit for bit, values and NaN
+    alike."""
+    values = (8.0 * np.random.default_rng(seed).standard_normal(shape)).astype(numpy_dtype(dtype))
+    values[:, ::3] = np.nan
+    return values
 
 
 def _device_inputs(backend, call: Call, host):
@@ -147,7 +152,7 @@ def check_op_case(backend, case: OpCase) -> None:
     _note_arrays(call, positions=host[4])
     outputs = {}
     if case.outputs_given:
-        poison = _poisoned(call.output_shape, call.dtype)
+        poison = np.full(call.output_shape, np.nan, np.float32).astype(numpy_dtype(call.dtype))
         outputs = dict(k_out=backend.put(poison), v_out=backend.put(poison))
     k, v = backend.kernel.fused_kv_norm_rope(*_device_inputs(backend, call, host), **call.static, **outputs)
     if case.outputs_given and backend.writes_in_place:
@@ -185,8 +190,8 @@ def check_cache_case(backend, case: CacheCase) -> None:
     host = call.host_inputs()
     slots = case.slots()
     _note_arrays(call, positions=host[4], slots=slots)
-    k_before = _poisoned(case.cache_shape(), case.k_cache_dtype)
-    v_before = _poisoned(case.cache_shape(), case.v_cache_dtype)
+    k_before = poisoned(case.cache_shape(), case.k_cache_dtype, seed=call.seed + 3)
+    v_before = poisoned(case.cache_shape(), case.v_cache_dtype, seed=call.seed + 4)
     scales = case.scales()
     k_cache, v_cache = backend.put(k_before), backend.put(v_before)
     k, v = backend.kernel.fused_kv_norm_rope_into_cache(

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from backends import host
-from cases import FP8, CacheCase, Call, OpCase, check_cache_case, check_op_case, forgive_interpreters_fp8_nan
+from cases import FP8, CacheCase, Call, OpCase, check_cache_case, check_op_case, forgive_interpreters_fp8_nan, poisoned
 from interop.arrays import numpy_dtype
 from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
 from interop.spec import FusedKVConfig, device_name
@@ -44,14 +44,6 @@ def call(heads, head_dim, rotary_dim, style, *, n_layers, total_ctx, dtype="bflo
                 rope_style=style, dtype=dtype, weight_dtype=weight_dtype, total_ctx=total_ctx,
                 max_position=max_position, position_dtype=position_dtype, out_of_range_positions=outside,
                 kv_workspace_padding=kv_padding, small_on_host=on_host, seed=seed)
-
-
-def poisoned(shape, dtype: str, *, seed: int = 0) -> np.ndarray:
-    """Values the op never writes, with NaN stripes: what is not written must come back
-    bit for bit."""
-    values = (8.0 * np.random.default_rng(seed).standard_normal(shape)).astype(numpy_dtype(dtype))
-    values[:, ::3] = np.nan
-    return values
 
 
 def run_op(backend, arrays, config, **options):
