@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from backends import host
+from cases import FP8
 from interop.arrays import numpy_dtype
 from interop.materializer_spec import random_case, stacked_op_arrays
 from interop.reference import fused_kv_norm_rope_reference, rope_cos_sin_cache
@@ -28,7 +29,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is dep
 OP = FusedKVConfig(num_kv_heads=2, head_dim=32, rotary_dim=32)
 NUM_SLOTS = 12
 POISON = -3.5  # exactly representable in bf16 and fp8, and not a value the op writes here
-FP8 = "float8_e4m3fn"
 # Per-layer scales from 0.01 to 1 with random mantissas: a round scale (a power of two, or
 # a short decimal) divides bf16 values into exact fp8 ties, which Triton's interpreter
 # rounds away from zero (the GPU, like the reference, to even).

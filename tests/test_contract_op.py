@@ -46,18 +46,19 @@ def call(heads, head_dim, rotary_dim, style, *, n_layers, total_ctx, dtype="bflo
                 kv_workspace_padding=kv_padding, small_on_host=on_host, seed=seed)
 
 
-def run_op(backend, arrays, config, **options):
+def run_op(backend, arrays, config):
     """``fused_kv_norm_rope`` on these host arrays, checked against the reference; the host results."""
-    k, v = backend.kernel.fused_kv_norm_rope(*(backend.put(a) for a in arrays), **static(config), **options)
+    k, v = backend.kernel.fused_kv_norm_rope(*(backend.put(a) for a in arrays), **static(config))
     expected_k, expected_v = fused_kv_norm_rope_reference(*arrays, **static(config))
     assert_close(k, expected_k)
     assert_bit_exact(v, expected_v)
     return host(k), host(v)
 
 
-# (heads, head_dim, rotary_dim, style): every head shape, partial and full rotation, both
-# styles, each kv, weight and position dtype, one token and one layer, a strided kv,
-# indices on the host, given outputs; the odd shapes beside the draft's.
+# (heads, head_dim, rotary_dim, style): head_dim 64 to 192 and the odd 96 and 8, partial
+# and full rotation, both styles, each kv, weight and position dtype, one token of one
+# layer, a strided kv, positions on the host, given outputs. Each case is a compilation
+# of the jax kernel, so each combines several of these; the property tests draw the rest.
 OP_CASES = {
     "d128-neox-bf16-16-tokens-into-given-outputs": OpCase(call(2, 128, 128, "neox", n_layers=2, total_ctx=16), True),
     "d128-gptj-fp16-int64-positions-on-host": OpCase(call(
@@ -109,12 +110,12 @@ def special_values(dtype: str) -> np.ndarray:
     return np.array(bits, width).view(numpy_dtype(dtype))
 
 
+EDGE = {style: FusedKVConfig(2, 32, 16, style) for style in ("neox", "gptj")}
+
+
 def edge_inputs(style: str, dtype: str):
     """One layer, 4 tokens, 2 heads of 32 with 16 rotated: one shape for every edge value."""
     return EDGE[style], random_inputs(EDGE[style], n_layers=1, total_ctx=4, dtype=dtype, max_position=64, seed=50)
-
-
-EDGE = {style: FusedKVConfig(2, 32, 16, style) for style in ("neox", "gptj")}
 
 
 def k_head(kv, config, token, head):
