@@ -70,12 +70,13 @@ def test_decode_and_mid_size_contexts_on_their_default_tiles(total_ctx, tile):
     # Below 128 tokens two-token one-head tiles; from 256 to 384 four-token tiles of every
     # head (4 heads: 2 rows of tokens each); between and beyond, one-token rows of every head.
     # The GPU's tiles, launched by name: interpreted, a call's default is a few large tiles.
+    # One layer: layers are a grid axis of their own, and the interpreter pays per program.
     config = FusedKVConfig(4, 64, 64, "gptj")
     block_tokens, block_heads, num_warps = kernel_module.default_tile(total_ctx, 4, 64)
     assert (block_tokens, block_heads) == tile
-    inputs = random_inputs(config, n_layers=2, total_ctx=total_ctx, max_position=512, seed=4)
+    inputs = random_inputs(config, n_layers=1, total_ctx=total_ctx, max_position=512, seed=4)
     kv, *rest = on_device(inputs)
-    k, v = poisoned((2, total_ctx, 4, 64), kv.dtype), poisoned((2, total_ctx, 4, 64), kv.dtype)
+    k, v = poisoned((1, total_ctx, 4, 64), kv.dtype), poisoned((1, total_ctx, 4, 64), kv.dtype)
     launch(kv, *rest, k, v, config=config, block_tokens=block_tokens,
            block_heads=block_heads, num_warps=num_warps)
     assert_matches_reference(inputs, config, k, v)
