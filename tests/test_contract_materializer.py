@@ -73,6 +73,8 @@ def setup(backend, op=OP, *, n_layers=3, hidden=64, total_ctx=8, position_dtype=
                  backend.put(case.ctx_hidden), backend.put_small(case.positions, positions_on_host))
 
 
+REAL_OP = FusedKVConfig(num_kv_heads=8, head_dim=128, rotary_dim=128)
+
 CASES = {
     # (op, n_layers, total_ctx, position dtype, positions on the host): the common shape, then the odd ones.
     "draft-like": (OP, 3, 8, "int32", False),
@@ -204,6 +206,27 @@ class TestMaterializer:
         assert host(k).dtype == np.float32
         assert_close(k, k_expected)
         assert_bit_exact(v, v_expected)
+
+    @pytest.mark.gpu
+    def test_real_sizes_match_the_reference_on_every_path(self, backend):
+        if self.interpret:
+            pytest.skip("real sizes: compiled kernels only (an interpreter pays per program)")
+        s = setup(backend, REAL_OP, n_layers=5, hidden=4096, total_ctx=512, seed=7)
+        kv = s.kv()
+        k, v = s.materializer.materialize(s.ctx_hidden, s.positions)
+        k_expected, v_expected = s.case.op_reference(kv)
+        assert_close(k, k_expected)
+        assert_bit_exact(v, v_expected)
+        k_e2e, v_e2e = s.case.end_to_end_reference()
+        assert_close(k, k_e2e, tolerance=END_TO_END_TOLERANCE)
+        assert_close(v, v_e2e, name="v", tolerance=END_TO_END_TOLERANCE)
+        before = s.poisoned_cache(num_slots=4096)
+        cache_loc = np.random.default_rng(7).permutation(4096)[:512]
+        cache_loc[::7] = -1
+        k_cache, v_cache = s.into_cache(backend.put(cache_loc), before, before)
+        k_expected, v_expected = s.case.op_reference(kv, cache_loc=cache_loc, k_cache=before, v_cache=before)
+        assert_close(k_cache, k_expected)
+        assert_bit_exact(v_cache, v_expected)
 
     # Refusals: the message word for word, the caches as they were.
 

@@ -17,7 +17,7 @@ import pytest
 from fusedkv_jax.materializer import FusedKVMaterializer
 from interop.materializer_spec import random_case
 from interop.spec import FusedKVConfig
-from interop.testing import END_TO_END_TOLERANCE, assert_bit_exact, assert_close
+from interop.testing import assert_bit_exact, assert_close
 
 ON_GPU = jax.default_backend() == "gpu"
 OP = FusedKVConfig(num_kv_heads=2, head_dim=32, rotary_dim=32)
@@ -108,7 +108,7 @@ def test_a_rejected_call_leaves_the_donated_caches_alive_and_untouched():
     assert bool((k_cache == POISON).all()) and bool((v_cache == POISON).all())
 
 
-# --- on a GPU: real sizes, donated caches under jit ------------------------------------------
+# --- on a GPU: real sizes, donated caches under jit (every path: the contract suite) ----------
 
 REAL_OP = FusedKVConfig(num_kv_heads=8, head_dim=128, rotary_dim=128)
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU (jax.default_backend() == 'gpu')")
@@ -116,17 +116,9 @@ needs_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU (jax.default_back
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_real_sizes_match_the_reference_and_update_donated_caches_in_place():
+def test_gpu_real_sizes_update_donated_caches_in_place_under_jit():
     setup = _setup(REAL_OP, n_layers=5, hidden=4096, total_ctx=512, seed=7)
     kv = setup.materializer.project(setup.ctx_hidden)
-    k, v = setup.materializer.materialize(setup.ctx_hidden, setup.positions)
-    k_expected, v_expected = setup.case.op_reference(kv)
-    assert_close(k, k_expected)
-    assert_bit_exact(v, v_expected)
-    k_e2e, v_e2e = setup.case.end_to_end_reference()
-    assert_close(k, k_e2e, tolerance=END_TO_END_TOLERANCE)
-    assert_close(v, v_e2e, name="v", tolerance=END_TO_END_TOLERANCE)
-
     step = jax.jit(_scatter_step, donate_argnums=(4, 5))
     k_cache, v_cache = _poisoned_caches(setup, num_slots=4096)
     k_before, v_before = _host(k_cache), _host(v_cache)

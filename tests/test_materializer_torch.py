@@ -20,7 +20,7 @@ from interop.exchange import to_torch
 from interop.materializer_spec import random_case, stacked_op_arrays
 from interop.reference import fused_kv_norm_rope_into_cache_reference
 from interop.spec import FusedKVConfig
-from interop.testing import END_TO_END_TOLERANCE, assert_bit_exact, assert_close
+from interop.testing import assert_bit_exact, assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 OP = FusedKVConfig(num_kv_heads=2, head_dim=32, rotary_dim=32)
@@ -138,33 +138,9 @@ def test_one_buffer_as_both_outputs_or_as_both_per_layer_lists_is_refused_untouc
     assert bool((out == POISON).all()) and bool((cache == POISON).all())
 
 
-# --- on the H200: real sizes, CUDA graphs ----------------------------------------------------
+# --- on the H200: CUDA graphs (real sizes on every path: the contract suite) ------------------
 
 REAL_OP = FusedKVConfig(num_kv_heads=8, head_dim=128, rotary_dim=128)
-
-
-@gpu
-@needs_cuda
-def test_gpu_real_sizes_match_the_reference_on_every_path():
-    setup = _setup(REAL_OP, n_layers=5, hidden=4096, total_ctx=512, seed=7)
-    kv = setup.materializer.project(setup.ctx_hidden).clone()
-    k, v = setup.materializer.materialize(setup.ctx_hidden, setup.positions)
-    k_expected, v_expected = setup.case.op_reference(kv)
-    assert_close(k, k_expected)
-    assert_bit_exact(v, v_expected)
-    k_e2e, v_e2e = setup.case.end_to_end_reference()
-    assert_close(k, k_e2e, tolerance=END_TO_END_TOLERANCE)
-    assert_close(v, v_e2e, name="v", tolerance=END_TO_END_TOLERANCE)
-    k_cache, v_cache = _poisoned_caches(setup, num_slots=4096)
-    k_before, v_before = as_numpy(k_cache).copy(), as_numpy(v_cache).copy()
-    cache_loc = torch.randperm(4096, device=DEVICE)[:512]
-    cache_loc[::7] = -1
-    setup.materializer.materialize_into_cache(setup.ctx_hidden, setup.positions, cache_loc,
-                                              k_cache, v_cache)
-    k_expected, v_expected = setup.case.op_reference(kv, cache_loc=cache_loc, k_cache=k_before,
-                                                v_cache=v_before)
-    assert_close(k_cache, k_expected)
-    assert_bit_exact(v_cache, v_expected)
 
 
 def _capture(call):
