@@ -3,8 +3,10 @@
 For each shape and token count one :class:`~interop.bench.workload.Workload` is drawn
 and every implementation measured on it in table order. An implementation is first
 called on poisoned outputs and checked (:mod:`interop.bench.check`); one that fails is
-recorded with its verdict and never timed, and one that raises is recorded with its
-error (the traceback goes to ``on_error``) while the run goes on.
+recorded with its verdict and never timed, one that does not take the shape, dtype or
+token count (:class:`~interop.bench.registry.NotApplicable`) is recorded as ``n/a`` and
+why, and one that raises is recorded with its error (the traceback goes to
+``on_error``) while the run goes on.
 
 Timers by row: torch on the device, CUDA-graph replay (64 calls a graph up to 4096
 tokens, 16 beyond); JAX on the device, the in-jit method (64 calls a jit, chained
@@ -20,7 +22,7 @@ import itertools
 import traceback
 from typing import Callable
 
-from interop.bench.registry import Implementation, Steps
+from interop.bench.registry import Implementation, NotApplicable, Steps
 from interop.bench.report import Measurement
 from interop.bench.shapes import DECODE_TOKENS, BenchShape
 from interop.bench.timers import chained_calls, graph_replay_seconds, host_seconds_per_call, in_jit_seconds
@@ -74,21 +76,39 @@ def _zeros(calls: int):
     return jnp.zeros(calls, jnp.float32)
 
 
+def _launches(run, arguments, target: str) -> int:
+    """How many times the compiled ``run`` launches the custom call ``target``."""
+    return run.lower(*arguments).compile().as_text().count(f'custom_call_target="{target}"')
+
+
+def _timed_in_jit(prepared: Steps, workload: Workload, effort: Effort) -> dict:
+    """The check, then the in-jit time, of a JAX step."""
+    sets = len(prepared.varying)
+    calls = 64 if workload.total_ctx <= DECODE_TOKENS else 8
+    run = chained_calls(prepared.step, calls, sets, fresh_outputs=prepared.fresh_outputs,
+                        opaque_step=prepared.kernel_target is not None)
+    arguments = (prepared.fixed, prepared.varying, prepared.new_outputs(), _zeros(calls))
+    found = dict(bytes_moved=prepared.bytes_moved, input_sets=sets,
+                 method=f"in-jit, {calls} calls/jit")
+    if prepared.kernel_target is not None:
+        launches = _launches(run, arguments, prepared.kernel_target)
+        if launches != calls:
+            return dict(found, check=f"FAIL: the jit launches {prepared.kernel_target} {launches} times for "
+                                     f"{calls} calls (XLA merged or dropped calls)")
+    outputs, _ = run(*arguments)
+    found["check"] = prepared.check(outputs, (calls - 1) % sets)
+    if found["check"] != "ok":
+        return found
+    seconds, host_bound = in_jit_seconds(run, prepared.fixed, prepared.varying, outputs, calls_per_jit=calls,
+                                         batch_seconds=effort.jax_batch_seconds, repeats=effort.jax_repeats)
+    return dict(found, seconds=seconds, method=found["method"] + (", host-bound" if host_bound else ""))
+
+
 def _timed(implementation: Implementation, workload: Workload, effort: Effort) -> dict:
     """Check, then time: the fields of the measurement beyond its identity."""
     prepared = implementation.prepare(workload)
     if isinstance(prepared, Steps):
-        sets = len(prepared.varying)
-        calls = 64 if workload.total_ctx <= DECODE_TOKENS else 8
-        run = chained_calls(prepared.step, calls, sets, fresh_outputs=prepared.fresh_outputs)
-        outputs, _ = run(prepared.fixed, prepared.varying, prepared.new_outputs(), _zeros(calls))
-        found = dict(bytes_moved=prepared.bytes_moved, input_sets=sets, method=f"in-jit, {calls} calls/jit",
-                     check=prepared.check(outputs, (calls - 1) % sets))
-        if found["check"] != "ok":
-            return found
-        seconds, host_bound = in_jit_seconds(run, prepared.fixed, prepared.varying, outputs, calls_per_jit=calls,
-                                             batch_seconds=effort.jax_batch_seconds, repeats=effort.jax_repeats)
-        return dict(found, seconds=seconds, method=found["method"] + (", host-bound" if host_bound else ""))
+        return _timed_in_jit(prepared, workload, effort)
     found = dict(bytes_moved=prepared.bytes_moved, input_sets=prepared.sets, check=prepared.check())
     if found["check"] != "ok":
         return found
@@ -115,6 +135,8 @@ def measure(implementation: Implementation, workload: Workload | None, effort: E
         found = dict(seconds=None, bytes_moved=0)
         found.update(_timed(implementation, workload, effort))
         return Measurement(**identity, **found)
+    except NotApplicable as reason:
+        return Measurement(**identity, seconds=None, bytes_moved=0, check=f"n/a: {reason}")
     except Exception as error:  # one failing row is reported and the run goes on
         failed = Measurement(**identity, seconds=None, bytes_moved=0, error=f"{type(error).__name__}: {error}")
         if on_error is not None:
