@@ -17,14 +17,16 @@ import pytest
 from interop.bench import add_bench_arguments, run_bench_command
 from interop.bench.registry import BY_NAME, IMPLEMENTATIONS, Calls, Implementation, NotApplicable, Steps, select
 from interop.bench.report import Measurement, annotate, format_table, write_data
-from interop.bench.runner import Effort, plan, run
+from interop.bench.runner import Effort, calls_per_jit, plan, run
 from interop.bench.shapes import DECODE_TOKENS, SHAPES, BenchShape
 from interop.reference import fused_kv_norm_rope_reference
 from interop.spec import FusedKVConfig
 from interop.testing import assert_bit_exact, assert_close, random_inputs
 
-# Timers sample once: these tests pin down what is checked and recorded, not timings.
-ONCE = Effort(graph_replays=1, jax_repeats=1, jax_batch_seconds=0.001, host_calls=3, host_repeats=1)
+# Timers sample once, with few calls a jit (compiling many takes long on the CPU): these
+# tests pin down what is checked and recorded, not timings.
+ONCE = Effort(graph_replays=1, jax_repeats=1, jax_batch_seconds=0.001, host_calls=3, host_repeats=1,
+              max_calls_per_jit=8)
 TINY = BenchShape("tiny", FusedKVConfig(num_kv_heads=2, head_dim=32, rotary_dim=16), 2, "2 layers, 2 heads",
                   hidden=64)
 # The smallest shape the Mosaic GPU lowering takes: rotary halves of 16 bf16 columns (32 bytes).
@@ -212,8 +214,12 @@ def test_where_jax_alone_sees_a_device_the_command_runs_its_rows_and_writes_its_
     pytest.importorskip("matplotlib")
     from interop.bench import command
 
-    # The CPU stands in for the GPU: the whole path but the kernels' real timing.
+    from interop.bench import runner
+
+    # The CPU stands in for the GPU: the whole path but the kernels' real timing, and few
+    # calls a jit (compiling 512 calls of jnp takes a minute here).
     monkeypatch.setattr(command, "gpu_frameworks", lambda: ({"jax": "stand-in"}, ["torch sees no CUDA device"]))
+    monkeypatch.setattr(runner, "QUICK", ONCE)
     args = _parser().parse_args(["--tokens", "4", "--only", "jnp-jit,jnp-jit-host,triton", "--quick",
                                  "--out", str(tmp_path)])
     assert run_bench_command(args) == 0
@@ -253,6 +259,21 @@ def test_every_kind_has_a_name_of_its_own_and_host_rows_run_at_decode_sizes_only
     tasks = plan([SHAPES["draft"]], [16, DECODE_TOKENS, 4096], [BY_NAME["triton"], BY_NAME["triton-host"]])
     assert [(t, i.name) for _, t, i in tasks] == [(16, "triton"), (16, "triton-host"), (DECODE_TOKENS, "triton"),
                                                   (DECODE_TOKENS, "triton-host"), (4096, "triton")]
+
+
+def test_a_jit_holds_about_a_millisecond_of_calls_estimated_from_their_bytes():
+    # 3e12 bytes/s and a 1.5 us floor per call; 1 ms of them, between 8 and the cap.
+    assert calls_per_jit(30_000_000, most=512) == 100  # 10 us a call
+    assert calls_per_jit(29_000_000, most=512) == 104  # 9.67 us: 103.4 calls, rounded up
+    assert calls_per_jit(3_000_000, most=1024) == 667  # 1 us is below the floor: 1.5 us
+    assert calls_per_jit(3_000_000, most=512) == 512
+    assert calls_per_jit(0, most=512) == 512
+    assert calls_per_jit(3_000_000_000, most=512) == 8  # 1 ms a call: the fewest
+    assert calls_per_jit(3_000_000_000, most=2) == 2  # unless the cap is lower
+    # The draft shape in bf16, as the runner's docstring gives it.
+    draft = SHAPES["draft"]
+    assert [calls_per_jit(draft.op_bytes(tokens, "bfloat16"), most=512) for tokens in
+            (1, 64, 256, 1024, 4096, 16384)] == [512, 512, 287, 72, 18, 8]
 
 
 def test_shapes_are_the_three_of_the_issue():
@@ -386,17 +407,18 @@ def test_a_kernel_the_jit_does_not_launch_once_per_call_fails_and_is_not_timed()
         Implementation("launched-twice", "jax", "kernel", functools.partial(_callback_steps, launches_per_call=2))]
     once, twice = run(plan([TINY], [3], implementations), dtype="bfloat16", framework="jax", effort=ONCE)
     assert once.check == "ok" and once.seconds is not None
-    assert twice.check == ("FAIL: the jit launches xla_ffi_python_cpu_callback 128 times for 64 calls "
+    assert twice.check == ("FAIL: the jit launches xla_ffi_python_cpu_callback 16 times for 8 calls "
                            "(XLA merged or dropped calls)")
     assert twice.seconds is None
 
 
 def test_the_mosaic_row_checks_and_times_the_kernel_where_mosaic_takes_the_shape():
     pytest.importorskip("jax")
+    effort = dataclasses.replace(ONCE, max_calls_per_jit=2)  # interpreted, a call takes about 0.3 s
     (measurement,) = run(plan([MOSAIC_TINY], [64], [BY_NAME["pallas-mosaic"]]), dtype="bfloat16",
-                         framework="jax", effort=ONCE)
+                         framework="jax", effort=effort)
     assert measurement.check == "ok" and not measurement.error
-    assert measurement.seconds is not None and measurement.method.startswith("in-jit, 64 calls/jit")
+    assert measurement.seconds is not None and measurement.method.startswith("in-jit, 2 calls/jit")
 
 
 @pytest.mark.parametrize("shape, tokens, dtype, reason", [
@@ -448,7 +470,8 @@ def test_a_failing_implementation_is_marked_and_never_timed():
     measurements = run(plan([TINY], [3], implementations), dtype="bfloat16", framework="jax", effort=ONCE)
     by_name = {m.implementation: m for m in measurements}
     assert by_name["jnp-jit"].check == "ok" and by_name["jnp-jit"].seconds is not None
-    assert by_name["jnp-jit"].method.startswith("in-jit, 64 calls/jit")
+    # 8 calls (the cap here) of 1.5 us (the floor: 3 tokens move 3 KB) each
+    assert by_name["jnp-jit"].method.startswith("in-jit, 8 calls/jit (~0.012 ms est.)")
     assert by_name["off-by-one"].check.startswith("FAIL: k:") and by_name["off-by-one"].seconds is None
     assert by_name["writes-nothing"].check == f"FAIL: {2 * 2 * 3 * 2 * 32} elements unwritten (NaN)"
     assert by_name["writes-nothing"].seconds is None
