@@ -21,16 +21,17 @@ from interop.bench.shapes import DEFAULT_TOKENS, DTYPES, QUICK_TOKENS, SHAPES
 
 DESCRIPTION = """\
 Time every implementation of the fused KV op on this GPU, in one process: the Triton
-kernel (torch) and the Pallas kernel (jax); the reference math in eager PyTorch, under
-torch.compile and as jnp under jax.jit; a device copy of the same bytes in each
-framework (the ceiling); both materializers (GEMM alone, and end to end); interop's
-calls, in one framework and crossing; and eager calls timed on the host.
+kernel (torch) and the Pallas kernel (jax) on its Triton lowering (pallas) and on Mosaic
+GPU (pallas-mosaic: n/a where Mosaic GPU has no kernel); the reference math in eager
+PyTorch, under torch.compile and as jnp under jax.jit; a device copy of the same bytes
+in each framework (the ceiling); both materializers (GEMM alone, and end to end);
+interop's calls, in one framework and crossing; and eager calls timed on the host.
 
 Inputs are random, outputs poisoned, and every implementation is checked against the
-interop reference (K within tolerance, V bit for bit) before it is timed; one that
-fails is marked and not timed. Device time: CUDA-graph replay for torch, many calls
-inside one jit for jax; medians; inputs rotated where they would fit in L2. Bandwidth
-counts 2 * kv.nbytes (read kv, write K and V).
+interop reference (K within tolerance, V bit for bit) before it is timed; one that fails
+is marked and not timed. Device time: CUDA-graph replay for torch, many calls inside one
+jit for jax (about 1 ms of estimated device work a jit); medians; inputs rotated where
+they would fit in L2. Bandwidth counts 2 * kv.nbytes (read kv, write K and V).
 
 Writes bench.csv, bench.json and PNG plots (bandwidth against tokens, latency at small
 token counts) to --out; prints the table last."""
