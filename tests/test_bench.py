@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from interop.bench import add_bench_arguments, run_bench_command
-from interop.bench.registry import BY_NAME, IMPLEMENTATIONS, Calls, Implementation, NotApplicable, Steps, select
+from interop.bench.registry import BY_NAME, IMPLEMENTATIONS, Calls, Implementation, Steps, select
 from interop.bench.report import Measurement, annotate, format_table, write_data
 from interop.bench.runner import Effort, calls_per_jit, plan, run
 from interop.bench.shapes import DECODE_TOKENS, SHAPES, BenchShape
