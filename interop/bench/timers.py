@@ -117,9 +117,10 @@ def chained_calls(step: Callable, calls: int, sets: int, *, fresh_outputs: bool 
     An ``opaque_step`` with fresh outputs is one kernel XLA cannot fuse into (a custom
     call: the Pallas kernel on Mosaic GPU), for which that sum would be a pass of its own
     over ``kv``; its inputs are left as they are, and the barrier and the returned
-    outputs alone keep its calls apart. XLA on the GPU removes barriers only after its
-    last common-subexpression pass (on the CPU it does not, and merged such calls), so
-    the runner counts the kernel's launches in the compiled jit.
+    outputs alone keep its calls apart: XLA's GPU compiler removes barriers after
+    scheduling, past its common-subexpression passes (its CPU compiler removes them
+    before one, and merged calls on one input set so), and the runner counts the
+    kernel's launches in the compiled jit to make sure.
     """
     import jax
     import jax.numpy as jnp
