@@ -167,6 +167,7 @@ def _parser():
 def test_options_default_to_the_draft_shape_in_bf16_and_parse_token_lists():
     args = _parser().parse_args(["--tokens", "256,1,16,16", "--only", "kernel,torch-eager"])
     assert (args.shape, args.dtype, args.out, args.quick) == ("draft", "bfloat16", "bench-results", False)
+    assert args.max_calls_per_jit is None  # the effort's own cap
     assert args.tokens == (1, 16, 256)
     assert args.only == ["kernel", "torch-eager"]
 
@@ -178,6 +179,14 @@ def test_token_lists_other_than_positive_counts_are_refused(tokens, capsys):
     assert exit_info.value.code == 2
     assert f"argument --tokens: got {tokens!r}, expected comma-separated positive token counts" in (
         capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("cap", ["0", "-4", "many"])
+def test_a_cap_of_calls_per_jit_other_than_a_positive_number_is_refused(cap, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _parser().parse_args(["--max-calls-per-jit", cap])
+    assert exit_info.value.code == 2
+    assert f"argument --max-calls-per-jit: got {cap!r}, expected a positive whole number" in capsys.readouterr().err
 
 
 def test_unknown_only_words_are_refused_in_one_line(tmp_path, capsys):
@@ -214,14 +223,11 @@ def test_where_jax_alone_sees_a_device_the_command_runs_its_rows_and_writes_its_
     pytest.importorskip("matplotlib")
     from interop.bench import command
 
-    from interop.bench import runner
-
     # The CPU stands in for the GPU: the whole path but the kernels' real timing, and few
     # calls a jit (compiling 512 calls of jnp takes a minute here).
     monkeypatch.setattr(command, "gpu_frameworks", lambda: ({"jax": "stand-in"}, ["torch sees no CUDA device"]))
-    monkeypatch.setattr(runner, "QUICK", ONCE)
     args = _parser().parse_args(["--tokens", "4", "--only", "jnp-jit,jnp-jit-host,triton", "--quick",
-                                 "--out", str(tmp_path)])
+                                 "--max-calls-per-jit", "8", "--out", str(tmp_path)])
     assert run_bench_command(args) == 0
     out = capsys.readouterr().out
     assert "skipped (torch sees no CUDA device): triton" in out
@@ -229,7 +235,10 @@ def test_where_jax_alone_sees_a_device_the_command_runs_its_rows_and_writes_its_
     assert [cells[:3] for cells in _table_rows(table.split("\n", 1)[1].split("\n\nwrote")[0])] == [
         ["jnp-jit", "baseline", "4"], ["xla-copy", "copy", "4"], ["jnp-jit-host", "host", "4"]]
     with open(tmp_path / "bench.csv", newline="") as file:
-        assert [r["check"] for r in csv.DictReader(file)] == ["ok", "ok", "ok"]
+        records = list(csv.DictReader(file))
+    assert [r["check"] for r in records] == ["ok", "ok", "ok"]
+    assert [r["method"].split(" (")[0] for r in records[:2]] == ["in-jit, 8 calls/jit"] * 2
+    assert json.loads((tmp_path / "bench.json").read_text())["meta"]["max_calls_per_jit"] == 8
     assert {p.name for p in tmp_path.iterdir()} == {"bench.csv", "bench.json", "bandwidth-draft-bfloat16.png",
                                                      "latency-draft-bfloat16.png"}
 

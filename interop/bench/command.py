@@ -9,6 +9,7 @@ or raised (the table says which), 2 when it refused (no GPU, an unknown ``--only
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.metadata
 import importlib.util
@@ -50,6 +51,16 @@ def _token_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(set(values)))
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"got {text!r}, expected a positive whole number")
+    return value
+
+
 def _word_list(text: str) -> list[str]:
     return [word.strip() for word in text.split(",") if word.strip()]
 
@@ -74,6 +85,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="directory for bench.csv, bench.json and the plots (default: bench-results)")
     parser.add_argument("--quick", action="store_true",
                         help="four token counts and fewer samples per row (a few minutes for one shape)")
+    parser.add_argument("--max-calls-per-jit", type=_positive_int, default=None, metavar="N",
+                        help="at most N calls in one jit of a JAX row (default: 512); fewer compile faster "
+                             "but may leave the smallest sizes host-bound")
     return parser
 
 
@@ -148,9 +162,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
     errors_log = out / "errors.log"
     errors_log.unlink(missing_ok=True)
     devices = sorted(set(found.values()))
+    effort = QUICK if args.quick else FULL
+    if args.max_calls_per_jit is not None:
+        effort = dataclasses.replace(effort, max_calls_per_jit=args.max_calls_per_jit)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 devices=found, versions=_versions(), shapes=[s.name for s in shapes], dtype=args.dtype,
-                tokens=tokens, quick=args.quick, implementations=[i.name for i in implementations])
+                tokens=tokens, quick=args.quick, max_calls_per_jit=effort.max_calls_per_jit,
+                implementations=[i.name for i in implementations])
     print(f"fusedkv bench on {', '.join(devices)} ({', '.join(f'{k} {v}' for k, v in meta['versions'].items())}): "
           f"{', '.join(meta['shapes'])}, {args.dtype}, tokens {','.join(map(str, tokens))}; "
           f"results in {out}/", flush=True)
@@ -167,7 +185,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             bar.write(f"{failed.implementation} at {failed.tokens} tokens: {failed.error} (see {errors_log})")
 
         measurements = run(tasks, dtype=args.dtype, framework="torch" if "torch" in found else "jax",
-                           effort=QUICK if args.quick else FULL, progress=bar, on_error=on_error,
+                           effort=effort, progress=bar, on_error=on_error,
                            on_size_done=lambda so_far: write_data(annotate(so_far), out, meta))
 
     return _report(measurements, out, meta)

@@ -20,17 +20,17 @@ dispatch the next jit (100-200 us with jax 0.11), or the figure is the host's
 :data:`JIT_DEVICE_SECONDS` of device work: a call is estimated at its bytes over
 :data:`ESTIMATED_BYTES_PER_SECOND`, and at least :data:`CALL_FLOOR_SECONDS`, and a jit
 holds that work over the estimate in calls, between :data:`MIN_CALLS_PER_JIT` and
-``Effort.max_calls_per_jit`` (512). The draft shape in bf16 gets 512 calls up to 64
-tokens, 287 at 256, 72 at 1024, 18 at 4096 and 8 from 16384 on; the method column gives
-the calls and the device time they were estimated at. The calls are unrolled: a loop
-(``lax.scan``) would hand the kernel slices of stacked input sets, which XLA
-materializes before a custom call, and whether XLA's GPU while loop waits on the host
-between iterations was not measured. So compiling takes longer the more calls there are;
-on a 2-core CPU, tracing and compiling 512 calls took 0.2 s for a trivial step chained
-through its outputs, 3.6 s for one with fresh outputs, and about 30 s for the jnp
-baseline (1024 calls: 65 s), hence the cap. Steps with fresh outputs return every call's
-outputs, host work at each dispatch of about 1 us an array (on the CPU), so where their
-calls are shortest they may stay host-bound.
+``Effort.max_calls_per_jit`` (512, or ``--max-calls-per-jit``). The draft shape in bf16
+gets 512 calls up to 64 tokens, 287 at 256, 72 at 1024, 18 at 4096 and 8 from 16384 on;
+the method column gives the calls and the device time they were estimated at. The calls
+are unrolled: a loop (``lax.scan``) would hand the kernel slices of stacked input sets,
+which XLA materializes before a custom call, and whether XLA's GPU while loop waits on
+the host between iterations was not measured. So compiling takes longer the more calls
+there are; on a shared 2-core CPU, tracing and compiling 512 calls took 0.2-0.5 s for a
+trivial step chained through its outputs, 3.6-12 s for one with fresh outputs, and 30-80
+s for the jnp baseline (1024 calls: 65-100 s), hence the cap. Steps with fresh outputs
+return every call's outputs, host work at each dispatch of about 1 us an array (on the
+CPU), so where their calls are shortest they may stay host-bound.
 """
 
 from __future__ import annotations
