@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.measure import DRAFT, N_LAYERS, Row, format_table, guarded
+from benchmarks.measure import DRAFT, DRAFT_STATIC, N_LAYERS, Row, format_table, guarded
 from fusedkv_jax import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from interop.bench.baselines import jnp_reference_math
 from interop.bench.check import verdict
@@ -157,9 +157,7 @@ def _input_sets(total_ctx: int) -> tuple[tuple[np.ndarray, ...], list[list[jax.A
 
 @functools.cache
 def _expected(total_ctx: int) -> tuple[np.ndarray, np.ndarray]:
-    return fused_kv_norm_rope_reference(
-        *_input_sets(total_ctx)[0], num_kv_heads=DRAFT.num_kv_heads, head_dim=DRAFT.head_dim,
-        rotary_dim=DRAFT.rotary_dim, rope_style=DRAFT.rope_style)
+    return fused_kv_norm_rope_reference(*_input_sets(total_ctx)[0], **DRAFT_STATIC)
 
 
 def _check(k, v, total_ctx: int) -> str:
@@ -169,9 +167,7 @@ def _check(k, v, total_ctx: int) -> str:
 def measure_kernel(total_ctx: int, steps: int, *, check: bool, **tile) -> Row:
     """The kernel, its outputs donated back into each next step (written in place)."""
     host, device_sets = _input_sets(total_ctx)
-    static = dict(num_kv_heads=DRAFT.num_kv_heads, head_dim=DRAFT.head_dim,
-                  rotary_dim=DRAFT.rotary_dim, rope_style=DRAFT.rope_style, **tile)
-    step = jax.jit(functools.partial(fused_kv_norm_rope, **static), donate_argnames=("k_out", "v_out"))
+    step = jax.jit(functools.partial(fused_kv_norm_rope, **DRAFT_STATIC, **tile), donate_argnames=("k_out", "v_out"))
     shape = DRAFT.output_shape(N_LAYERS, total_ctx)
     sets = [dict(inputs=inputs, k=jnp.full(shape, jnp.nan, jnp.bfloat16),
                  v=jnp.full(shape, jnp.nan, jnp.bfloat16)) for inputs in device_sets]
@@ -201,9 +197,7 @@ def measure_cache(total_ctx: int, steps: int, *, fp8: bool) -> Row:
     host_scales = dict(k_scale=np.full(N_LAYERS, 0.02, np.float32),
                        v_scale=np.full(N_LAYERS, 0.03, np.float32)) if fp8 else {}
     scales = {name: jax.device_put(scale) for name, scale in host_scales.items()}
-    static = dict(num_kv_heads=DRAFT.num_kv_heads, head_dim=DRAFT.head_dim,
-                  rotary_dim=DRAFT.rotary_dim, rope_style=DRAFT.rope_style)
-    step = jax.jit(functools.partial(fused_kv_norm_rope_into_cache, **static), donate_argnums=(6, 7))
+    step = jax.jit(functools.partial(fused_kv_norm_rope_into_cache, **DRAFT_STATIC), donate_argnums=(6, 7))
     sets = [dict(inputs=inputs, slots=jax.device_put(slots), k=jnp.zeros(shape, dtype),
                  v=jnp.zeros(shape, dtype)) for inputs, slots in zip(device_sets, host_slots)]
 
@@ -217,7 +211,7 @@ def measure_cache(total_ctx: int, steps: int, *, fp8: bool) -> Row:
         launch(0)
         empty = np.zeros(shape, jnp.dtype(dtype))
         expected = fused_kv_norm_rope_into_cache_reference(
-            *host, host_slots[0], empty, empty, **static, **host_scales)
+            *host, host_slots[0], empty, empty, **DRAFT_STATIC, **host_scales)
         result = verdict(sets[0]["k"], sets[0]["v"], *expected, v_exact=not fp8)
     seconds, method = device_seconds(launch, steps)
     written = host[0].nbytes // (2 if fp8 else 1)

@@ -251,22 +251,13 @@ def jax_rows(case, *, quick: bool) -> list[Row]:
         caches[:] = materializer.materialize_into_cache(hidden, device_positions, device_loc, *caches)
         return caches
 
-    def host_seconds(launch, calls: int) -> float:
-        """Host wall time per call of a long loop, waiting only at its end (as measure's)."""
-        jax.block_until_ready(launch(0))
-        start = time.perf_counter()
-        for i in range(calls):
-            outputs = launch(i)
-        elapsed = time.perf_counter() - start
-        jax.block_until_ready(outputs)
-        return elapsed / calls
-
     rng = np.random.default_rng(EAGER_SIZE)
     hidden = jnp.asarray(rng.standard_normal((EAGER_SIZE, HIDDEN), np.float32), jnp.bfloat16)
     device_positions = jnp.asarray(rng.integers(0, MAX_POSITION, EAGER_SIZE), jnp.int32)
     device_loc = jnp.asarray(rng.permutation(NUM_SLOTS)[:EAGER_SIZE], jnp.int32)
     rows.append(guarded("jax (b) scatter", EAGER_SIZE, "eager", lambda: Row(
-        "jax (b) scatter", EAGER_SIZE, "eager", host_seconds(eager_scatter, 300 if quick else 2000),
+        "jax (b) scatter", EAGER_SIZE, "eager",
+        host_seconds_per_call(eager_scatter, 1, calls=300 if quick else 2000, wait=jax.block_until_ready),
         sum(_bytes(EAGER_SIZE)), "host", 1)))
     return rows
 

@@ -75,13 +75,15 @@ class Case:
     total_ctx: int
     dtype: str = "bfloat16"
 
+    @property
+    def shape(self) -> BenchShape:
+        return BenchShape("case", self.config, self.n_layers, "-")
+
     def static(self) -> dict:
-        c = self.config
-        return dict(num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rotary_dim=c.rotary_dim,
-                    rope_style=c.rope_style)
+        return self.shape.static()
 
     def kv_bytes(self) -> int:
-        return self.total_ctx * self.n_layers * 2 * self.config.kv_size * torch.finfo(self.torch_dtype).bits // 8
+        return self.shape.kv_nbytes(self.total_ctx, self.dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -106,8 +108,8 @@ class InputSet:
 
 def input_sets(case: Case, count: int, seed: int = 0) -> list[InputSet]:
     """Random device inputs (``fusedkv bench``'s, generated on the GPU), each with its outputs."""
-    workload = Workload(BenchShape("case", case.config, case.n_layers, "-"), case.total_ctx, case.dtype,
-                        framework="torch", seed=seed, set_count=count, torch_device=DEVICE)
+    workload = Workload(case.shape, case.total_ctx, case.dtype, framework="torch", seed=seed, set_count=count,
+                        torch_device=DEVICE)
     shape = case.config.output_shape(case.n_layers, case.total_ctx)
     return [InputSet(*workload.op_args(i, "torch"), torch.empty(shape, dtype=case.torch_dtype, device=DEVICE),
                      torch.empty(shape, dtype=case.torch_dtype, device=DEVICE)) for i in range(count)]

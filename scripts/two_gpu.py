@@ -54,8 +54,10 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.measure import DRAFT, DRAFT_STATIC, MAX_POSITION, N_LAYERS, graph_replay_seconds  # noqa: E402
+from benchmarks.measure import DRAFT, DRAFT_STATIC, N_LAYERS  # noqa: E402
 from interop.arrays import as_numpy, numpy_dtype  # noqa: E402
+from interop.bench.shapes import MAX_POSITION  # noqa: E402
+from interop.bench.timers import graph_replay_seconds  # noqa: E402
 from interop.materializer_spec import head_parallel_layers, random_case, stacked_op_arrays  # noqa: E402
 from interop.reference import fused_kv_norm_rope_reference  # noqa: E402
 from interop.testing import END_TO_END_TOLERANCE, bit_mismatches, compare, random_inputs  # noqa: E402

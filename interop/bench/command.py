@@ -9,6 +9,7 @@ or raised (the table says which), 2 when it refused (no GPU, an unknown ``--only
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.metadata
 import importlib.util
@@ -21,16 +22,17 @@ from interop.bench.shapes import DEFAULT_TOKENS, DTYPES, QUICK_TOKENS, SHAPES
 
 DESCRIPTION = """\
 Time every implementation of the fused KV op on this GPU, in one process: the Triton
-kernel (torch) and the Pallas kernel (jax); the reference math in eager PyTorch, under
-torch.compile and as jnp under jax.jit; a device copy of the same bytes in each
-framework (the ceiling); both materializers (GEMM alone, and end to end); interop's
-calls, in one framework and crossing; and eager calls timed on the host.
+kernel (torch) and the Pallas kernel (jax) on its Triton lowering (pallas) and on Mosaic
+GPU (pallas-mosaic: n/a where Mosaic GPU has no kernel); the reference math in eager
+PyTorch, under torch.compile and as jnp under jax.jit; a device copy of the same bytes
+in each framework (the ceiling); both materializers (GEMM alone, and end to end);
+interop's calls, in one framework and crossing; and eager calls timed on the host.
 
 Inputs are random, outputs poisoned, and every implementation is checked against the
-interop reference (K within tolerance, V bit for bit) before it is timed; one that
-fails is marked and not timed. Device time: CUDA-graph replay for torch, many calls
-inside one jit for jax; medians; inputs rotated where they would fit in L2. Bandwidth
-counts 2 * kv.nbytes (read kv, write K and V).
+interop reference (K within tolerance, V bit for bit) before it is timed; one that fails
+is marked and not timed. Device time: CUDA-graph replay for torch, many calls inside one
+jit for jax (about 1 ms of estimated device work a jit); medians; inputs rotated where
+they would fit in L2. Bandwidth counts 2 * kv.nbytes (read kv, write K and V).
 
 Writes bench.csv, bench.json and PNG plots (bandwidth against tokens, latency at small
 token counts) to --out; prints the table last."""
@@ -47,6 +49,16 @@ def _token_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(
             f"got {text!r}, expected comma-separated positive token counts such as 16,256,4096")
     return tuple(sorted(set(values)))
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"got {text!r}, expected a positive whole number")
+    return value
 
 
 def _word_list(text: str) -> list[str]:
@@ -73,6 +85,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="directory for bench.csv, bench.json and the plots (default: bench-results)")
     parser.add_argument("--quick", action="store_true",
                         help="four token counts and fewer samples per row (a few minutes for one shape)")
+    parser.add_argument("--max-calls-per-jit", type=_positive_int, default=None, metavar="N",
+                        help="at most N calls in one jit of a JAX row (default: 512); fewer compile faster "
+                             "but may leave the smallest sizes host-bound")
     return parser
 
 
@@ -147,9 +162,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
     errors_log = out / "errors.log"
     errors_log.unlink(missing_ok=True)
     devices = sorted(set(found.values()))
+    effort = QUICK if args.quick else FULL
+    if args.max_calls_per_jit is not None:
+        effort = dataclasses.replace(effort, max_calls_per_jit=args.max_calls_per_jit)
     meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 devices=found, versions=_versions(), shapes=[s.name for s in shapes], dtype=args.dtype,
-                tokens=tokens, quick=args.quick, implementations=[i.name for i in implementations])
+                tokens=tokens, quick=args.quick, max_calls_per_jit=effort.max_calls_per_jit,
+                implementations=[i.name for i in implementations])
     print(f"fusedkv bench on {', '.join(devices)} ({', '.join(f'{k} {v}' for k, v in meta['versions'].items())}): "
           f"{', '.join(meta['shapes'])}, {args.dtype}, tokens {','.join(map(str, tokens))}; "
           f"results in {out}/", flush=True)
@@ -166,7 +185,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             bar.write(f"{failed.implementation} at {failed.tokens} tokens: {failed.error} (see {errors_log})")
 
         measurements = run(tasks, dtype=args.dtype, framework="torch" if "torch" in found else "jax",
-                           effort=QUICK if args.quick else FULL, progress=bar, on_error=on_error,
+                           effort=effort, progress=bar, on_error=on_error,
                            on_size_done=lambda so_far: write_data(annotate(so_far), out, meta))
 
     return _report(measurements, out, meta)

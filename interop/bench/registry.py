@@ -2,7 +2,8 @@
 
 Kinds:
 
-* ``kernel``: ours, the Triton kernel (torch) and the Pallas kernel (jax);
+* ``kernel``: ours, the Triton kernel (torch) and the Pallas kernel (jax) on each of its
+  lowerings: ``pallas`` on Triton (the default), ``pallas-mosaic`` on Mosaic GPU;
 * ``baseline``: the op as a model author would write it (eager PyTorch, ``torch.compile``,
   jnp under ``jax.jit``); the fastest is the speed-up column's yardstick;
 * ``copy``: a device copy of the op's bytes in the same framework, the ceiling;
@@ -13,10 +14,12 @@ Kinds:
 A ``prepare`` function takes a :class:`~interop.bench.workload.Workload` and returns
 :class:`Calls` (torch's device rows and every host row: ``call(i)`` on input set ``i``)
 or :class:`Steps` (JAX's device rows, run many to a jit), each with its bytes and its
-check. Another variant is one more entry: a row per Pallas lowering, for instance, is
-``functools.partial(_pallas, lowering=...)`` under a name of its own::
+check, or raises :class:`NotApplicable` for a shape, dtype or token count the
+implementation does not take (the row says so instead of a time). Another variant is one
+more entry: a Pallas tile, for instance, is ``functools.partial(_pallas, block_tokens=...)``
+under a name of its own::
 
-    Implementation("pallas-triton", "jax", "kernel", functools.partial(_pallas, lowering="triton"))
+    Implementation("pallas-bt4", "jax", "kernel", functools.partial(_pallas, lowering="triton", block_tokens=4))
 """
 
 from __future__ import annotations
@@ -34,6 +37,12 @@ from interop.exchange import to_torch
 from interop.materializer_spec import random_case
 
 KINDS = ("kernel", "baseline", "copy", "materializer", "interop", "host")
+# The custom call jax lowers a Mosaic GPU kernel to (jax 0.10-0.11).
+MOSAIC_GPU_TARGET = "mosaic_gpu_v2"
+
+
+class NotApplicable(Exception):
+    """Raised by a ``prepare`` for what its implementation does not take; the message says what."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +64,11 @@ class Steps:
     :func:`interop.bench.timers.chained_calls` to run many to a jit.
 
     ``varying`` holds one tuple per input set; ``new_outputs()`` makes poisoned outputs;
-    ``check(outputs, index)`` judges the outputs of a call on set ``index``.
+    ``check(outputs, index)`` judges the outputs of a call on set ``index``;
+    ``fresh_outputs``: the step allocates its outputs instead of writing the ones it is
+    given; ``kernel_target``: the step is one kernel XLA cannot fuse into, a custom call
+    of this target, which the compiled jit must launch once per call (both as
+    :func:`~interop.bench.timers.chained_calls` describes).
     """
 
     step: Callable
@@ -65,6 +78,7 @@ class Steps:
     bytes_moved: int
     check: Callable[[object, int], str]
     fresh_outputs: bool = False
+    kernel_target: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,15 +135,16 @@ def _op_calls(workload: Workload, framework: str, function, *, given_outputs: bo
     return Calls(call, sets, op_bytes, lambda: op_verdict(*call(0), *args[0], static=shape.static()))
 
 
-def _op_steps(workload: Workload, step, *, fresh_outputs: bool = False) -> Steps:
+def _op_steps(workload: Workload, step, *, fresh_outputs: bool = False, kernel_target: str | None = None) -> Steps:
     """A JAX step of the op over every input set, one poisoned output pair chained through
-    (``fresh_outputs``: a step that allocates its own outputs instead)."""
+    (``fresh_outputs``: a step that allocates its own outputs instead; ``kernel_target``:
+    see :class:`Steps`)."""
     shape = workload.shape
     sets = workload.sets(shape.kv_nbytes(workload.total_ctx, workload.dtype))
     return Steps(step, workload.shared("jax"), [workload.varying(i, "jax") for i in range(sets)],
                  lambda: _nan_pair(workload, "jax"), shape.op_bytes(workload.total_ctx, workload.dtype),
                  lambda outputs, i: op_verdict(*outputs, *workload.op_args(i, "jax"), static=shape.static()),
-                 fresh_outputs)
+                 fresh_outputs, kernel_target)
 
 
 def _triton(workload: Workload) -> Calls:
@@ -151,6 +166,31 @@ def _pallas(workload: Workload, **options) -> Steps:
         return fused_kv_norm_rope(kv, *fixed, positions, **static, k_out=outputs[0], v_out=outputs[1], **options)
 
     return _op_steps(workload, step)
+
+
+def _pallas_mosaic(workload: Workload) -> Steps:
+    """The Pallas kernel on its Mosaic GPU lowering, whose outputs are fresh arrays (it
+    writes no ``k_out``/``v_out`` in place): chained as XLA's own computations are, its
+    inputs unshifted (:func:`~interop.bench.timers.chained_calls`)."""
+    from fusedkv_jax import fused_kv_norm_rope, mosaic_kernel
+
+    shape, total_ctx = workload.shape, workload.total_ctx
+    config = shape.config
+    if not mosaic_kernel.supports(config, workload.dtype):
+        raise NotApplicable(f"no Mosaic GPU kernel for {workload.dtype} {config.rope_style}, "
+                            f"head_dim {config.head_dim}, rotary {config.rotary_dim}")
+    interpret = all(device.platform == "cpu" for device in workload.varying(0, "jax")[0].devices())
+    if not mosaic_kernel.supports_context(total_ctx, interpret=interpret):
+        raise NotApplicable(f"Mosaic GPU's interpreter takes multiples of {mosaic_kernel.BLOCK_TOKENS} tokens"
+                            if interpret else "Mosaic GPU takes at most 8 tokens or a multiple of 8")
+    static = shape.static()
+
+    def step(fixed, varying, outputs):
+        kv, positions = varying
+        return fused_kv_norm_rope(kv, *fixed, positions, **static, lowering="mosaic_gpu")
+
+    # Interpreted, the kernel is no custom call but ordinary XLA work, which takes the shift.
+    return _op_steps(workload, step, fresh_outputs=True, kernel_target=None if interpret else MOSAIC_GPU_TARGET)
 
 
 def _pallas_eager(workload: Workload) -> Calls:
@@ -364,7 +404,8 @@ def _interop(workload: Workload, *, caller: str, backend: str) -> Calls:
 
 IMPLEMENTATIONS = (
     Implementation("triton", "torch", "kernel", _triton),
-    Implementation("pallas", "jax", "kernel", _pallas),
+    Implementation("pallas", "jax", "kernel", functools.partial(_pallas, lowering="triton")),
+    Implementation("pallas-mosaic", "jax", "kernel", _pallas_mosaic),
     Implementation("torch-eager", "torch", "baseline", _torch_eager, baseline=True),
     Implementation("torch-compile", "torch", "baseline", _torch_compile, baseline=True),
     Implementation("jnp-jit", "jax", "baseline", _jnp_steps, baseline=True),

@@ -3,13 +3,34 @@
 For each shape and token count one :class:`~interop.bench.workload.Workload` is drawn
 and every implementation measured on it in table order. An implementation is first
 called on poisoned outputs and checked (:mod:`interop.bench.check`); one that fails is
-recorded with its verdict and never timed, and one that raises is recorded with its
-error (the traceback goes to ``on_error``) while the run goes on.
+recorded with its verdict and never timed, one that does not take the shape, dtype or
+token count (:class:`~interop.bench.registry.NotApplicable`) is recorded as ``n/a`` and
+why, and one that raises is recorded with its error (the traceback goes to
+``on_error``) while the run goes on.
 
 Timers by row: torch on the device, CUDA-graph replay (64 calls a graph up to 4096
-tokens, 16 beyond); JAX on the device, the in-jit method (64 calls a jit, chained
-through donated outputs, up to :data:`~interop.bench.shapes.DECODE_TOKENS` tokens; 8 a
-jit beyond); host rows, a loop of eager calls, only up to ``DECODE_TOKENS`` tokens.
+tokens, 16 beyond); host rows, a loop of eager calls, only up to
+:data:`~interop.bench.shapes.DECODE_TOKENS` tokens; JAX on the device, the in-jit method
+(:func:`~interop.bench.timers.in_jit_seconds`), with as many calls in one jit as
+:func:`calls_per_jit` takes from the bytes a call moves.
+
+Calls per jit: the device must take longer over one jit's calls than the host takes to
+dispatch the next jit (100-200 us with jax 0.11), or the figure is the host's
+("host-bound" in the method column, an upper bound). So a jit holds about
+:data:`JIT_DEVICE_SECONDS` of device work: a call is estimated at its bytes over
+:data:`ESTIMATED_BYTES_PER_SECOND`, and at least :data:`CALL_FLOOR_SECONDS`, and a jit
+holds that work over the estimate in calls, between :data:`MIN_CALLS_PER_JIT` and
+``Effort.max_calls_per_jit`` (512, or ``--max-calls-per-jit``). The draft shape in bf16
+gets 512 calls up to 64 tokens, 287 at 256, 72 at 1024, 18 at 4096 and 8 from 16384 on;
+the method column gives the calls and the device time they were estimated at. The calls
+are unrolled: a loop (``lax.scan``) would hand the kernel slices of stacked input sets,
+which XLA materializes before a custom call, and whether XLA's GPU while loop waits on
+the host between iterations was not measured. So compiling takes longer the more calls
+there are; on a shared 2-core CPU, tracing and compiling 512 calls took 0.2-0.5 s for a
+trivial step chained through its outputs, 3.6-12 s for one with fresh outputs, and 30-80
+s for the jnp baseline (1024 calls: 65-100 s), hence the cap. Steps with fresh outputs
+return every call's outputs, host work at each dispatch of about 1 us an array (on the
+CPU), so where their calls are shortest they may stay host-bound.
 """
 
 from __future__ import annotations
@@ -17,27 +38,35 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import math
 import traceback
 from typing import Callable
 
-from interop.bench.registry import Implementation, Steps
+from interop.bench.registry import Implementation, NotApplicable, Steps
 from interop.bench.report import Measurement
 from interop.bench.shapes import DECODE_TOKENS, BenchShape
 from interop.bench.timers import chained_calls, graph_replay_seconds, host_seconds_per_call, in_jit_seconds
 from interop.bench.workload import Workload
 
 GRAPH_TOKENS = 4096
+JIT_DEVICE_SECONDS = 1e-3
+# Below the H200's 4.2 TB/s copy, so that estimates err toward more calls.
+ESTIMATED_BYTES_PER_SECOND = 3e12
+# No call in a jit is shorter on the H200: a kernel of a few programs, launched.
+CALL_FLOOR_SECONDS = 1.5e-6
+MIN_CALLS_PER_JIT = 8
 
 
 @dataclasses.dataclass(frozen=True)
 class Effort:
-    """How long each timer samples."""
+    """How long each timer samples, and how many calls one jit may hold (module docstring)."""
 
     graph_replays: int = 20
     jax_repeats: int = 7
     jax_batch_seconds: float = 0.02
     host_calls: int = 500
     host_repeats: int = 5
+    max_calls_per_jit: int = 512
 
 
 FULL = Effort()
@@ -50,6 +79,18 @@ def plan(shapes: list[BenchShape], tokens: list[int],
     return [(shape, total_ctx, implementation) for shape in shapes for total_ctx in tokens
             for implementation in implementations
             if implementation.clock == "device" or total_ctx <= DECODE_TOKENS]
+
+
+def estimated_call_seconds(bytes_moved: int) -> float:
+    """A call's device time as :func:`calls_per_jit` estimates it (module docstring)."""
+    return max(CALL_FLOOR_SECONDS, bytes_moved / ESTIMATED_BYTES_PER_SECOND)
+
+
+def calls_per_jit(bytes_moved: int, *, most: int) -> int:
+    """Calls of ``bytes_moved`` each in one jit: about :data:`JIT_DEVICE_SECONDS` of device
+    work by :func:`estimated_call_seconds`, at least :data:`MIN_CALLS_PER_JIT`, at most ``most``."""
+    wanted = math.ceil(JIT_DEVICE_SECONDS / estimated_call_seconds(bytes_moved))
+    return min(most, max(MIN_CALLS_PER_JIT, wanted))
 
 
 def _wait_for(implementation: Implementation) -> Callable[[object], None]:
@@ -74,21 +115,40 @@ def _zeros(calls: int):
     return jnp.zeros(calls, jnp.float32)
 
 
+def _launches(run, arguments, target: str) -> int:
+    """How many times the compiled ``run`` launches the custom call ``target``."""
+    return run.lower(*arguments).compile().as_text().count(f'custom_call_target="{target}"')
+
+
+def _timed_in_jit(prepared: Steps, effort: Effort) -> dict:
+    """The check, then the in-jit time, of a JAX step."""
+    sets = len(prepared.varying)
+    calls = calls_per_jit(prepared.bytes_moved, most=effort.max_calls_per_jit)
+    estimate = calls * estimated_call_seconds(prepared.bytes_moved)
+    run = chained_calls(prepared.step, calls, sets, fresh_outputs=prepared.fresh_outputs,
+                        opaque_step=prepared.kernel_target is not None)
+    arguments = (prepared.fixed, prepared.varying, prepared.new_outputs(), _zeros(calls))
+    found = dict(bytes_moved=prepared.bytes_moved, input_sets=sets,
+                 method=f"in-jit, {calls} calls/jit (~{estimate * 1e3:.2g} ms est.)")
+    if prepared.kernel_target is not None:
+        launches = _launches(run, arguments, prepared.kernel_target)
+        if launches != calls:
+            return dict(found, check=f"FAIL: the jit launches {prepared.kernel_target} {launches} times for "
+                                     f"{calls} calls (XLA merged or dropped calls)")
+    outputs, _ = run(*arguments)
+    found["check"] = prepared.check(outputs, (calls - 1) % sets)
+    if found["check"] != "ok":
+        return found
+    seconds, host_bound = in_jit_seconds(run, prepared.fixed, prepared.varying, outputs, calls_per_jit=calls,
+                                         batch_seconds=effort.jax_batch_seconds, repeats=effort.jax_repeats)
+    return dict(found, seconds=seconds, method=found["method"] + (", host-bound" if host_bound else ""))
+
+
 def _timed(implementation: Implementation, workload: Workload, effort: Effort) -> dict:
     """Check, then time: the fields of the measurement beyond its identity."""
     prepared = implementation.prepare(workload)
     if isinstance(prepared, Steps):
-        sets = len(prepared.varying)
-        calls = 64 if workload.total_ctx <= DECODE_TOKENS else 8
-        run = chained_calls(prepared.step, calls, sets, fresh_outputs=prepared.fresh_outputs)
-        outputs, _ = run(prepared.fixed, prepared.varying, prepared.new_outputs(), _zeros(calls))
-        found = dict(bytes_moved=prepared.bytes_moved, input_sets=sets, method=f"in-jit, {calls} calls/jit",
-                     check=prepared.check(outputs, (calls - 1) % sets))
-        if found["check"] != "ok":
-            return found
-        seconds, host_bound = in_jit_seconds(run, prepared.fixed, prepared.varying, outputs, calls_per_jit=calls,
-                                             batch_seconds=effort.jax_batch_seconds, repeats=effort.jax_repeats)
-        return dict(found, seconds=seconds, method=found["method"] + (", host-bound" if host_bound else ""))
+        return _timed_in_jit(prepared, effort)
     found = dict(bytes_moved=prepared.bytes_moved, input_sets=prepared.sets, check=prepared.check())
     if found["check"] != "ok":
         return found
@@ -115,6 +175,8 @@ def measure(implementation: Implementation, workload: Workload | None, effort: E
         found = dict(seconds=None, bytes_moved=0)
         found.update(_timed(implementation, workload, effort))
         return Measurement(**identity, **found)
+    except NotApplicable as reason:
+        return Measurement(**identity, seconds=None, bytes_moved=0, check=f"n/a: {reason}")
     except Exception as error:  # one failing row is reported and the run goes on
         failed = Measurement(**identity, seconds=None, bytes_moved=0, error=f"{type(error).__name__}: {error}")
         if on_error is not None:

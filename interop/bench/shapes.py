@@ -10,8 +10,8 @@ from interop.spec import KV_DTYPES, FusedKVConfig
 # Positions are drawn below this: the cos/sin table of a 32k-context draft.
 MAX_POSITION = 32768
 
-# Decode sizes (at most this many tokens): JAX chains its calls through donated outputs
-# there, and only there are host-dispatch rows worth their time.
+# Decode sizes (at most this many tokens): only there are host-dispatch rows worth their
+# time, and the latency plot stops there.
 DECODE_TOKENS = 1024
 
 DEFAULT_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 32768, 65536)

@@ -98,7 +98,8 @@ def copy_bytes_per_second(nbytes: int = COPY_BYTES) -> float:
     return 2 * nbytes / do_bench_seconds(lambda: destination.copy_(source))
 
 
-def chained_calls(step: Callable, calls: int, sets: int, *, fresh_outputs: bool = False):
+def chained_calls(step: Callable, calls: int, sets: int, *, fresh_outputs: bool = False,
+                  opaque_step: bool = False):
     """One jit of ``calls`` calls of ``step``, call ``j`` on input set ``j % sets``.
 
     ``step(fixed, varying, outputs) -> outputs``; the jit is ``run(fixed, varying_sets,
@@ -106,11 +107,20 @@ def chained_calls(step: Callable, calls: int, sets: int, *, fresh_outputs: bool 
     float32[calls] array of zeros. Between calls an optimization barrier hands the
     previous outputs and the next inputs on together, so XLA cannot fuse calls (one fusion
     reading an input set once for several calls). A step that writes into the outputs of
-    the call before it (the Pallas kernel) is chained through them. A step with
-    ``fresh_outputs`` (XLA's own computations, which allocate their results) ignores them,
-    so nothing would stop XLA from dropping every call but the last or merging calls on
-    the same input set (it did both): every call then reads its inputs plus ``zeros[j]``,
-    a value XLA cannot know, and every call's outputs are returned in ``earlier``.
+    the call before it (the Pallas kernel on its Triton lowering) is chained through them.
+    A step with ``fresh_outputs`` (XLA's own computations, which allocate their results)
+    ignores them, so nothing would stop XLA from dropping every call but the last or
+    merging calls on the same input set (it did both): every call's outputs are returned
+    in ``earlier``, and every call reads its inputs plus ``zeros[j]``, a value XLA cannot
+    know, a sum XLA fuses into the step's own kernels.
+
+    An ``opaque_step`` with fresh outputs is one kernel XLA cannot fuse into (a custom
+    call: the Pallas kernel on Mosaic GPU), for which that sum would be a pass of its own
+    over ``kv``; its inputs are left as they are, and the barrier and the returned
+    outputs alone keep its calls apart: XLA's GPU compiler removes barriers after
+    scheduling, past its common-subexpression passes (its CPU compiler removes them
+    before one, and merged calls on one input set so), and the runner counts the
+    kernel's launches in the compiled jit to make sure.
     """
     import jax
     import jax.numpy as jnp
@@ -127,7 +137,7 @@ def chained_calls(step: Callable, calls: int, sets: int, *, fresh_outputs: bool 
                 varying, outputs = jax.lax.optimization_barrier((varying, outputs))
                 if fresh_outputs:
                     earlier.append(outputs)
-            if fresh_outputs:
+            if fresh_outputs and not opaque_step:
                 varying = shifted(varying, zeros[call])
             outputs = step(fixed, varying, outputs)
         return outputs, earlier
