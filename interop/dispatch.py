@@ -23,7 +23,7 @@ import importlib
 import os
 
 from interop.exchange import framework_of, to_caller, to_framework
-from interop.spec import check_arrays, check_output_buffers, device_name, validate_call
+from interop.spec import accept_call, check_arrays, check_output_buffers
 
 BACKENDS = ("torch", "jax")
 
@@ -96,11 +96,9 @@ def fused_kv_norm_rope(
     outputs = (("k_out", k_out), ("v_out", v_out))
     check_arrays((("kv", kv), ("k_norm_weight", k_norm_weight), ("eps", eps),
                   ("cos_sin_cache", cos_sin_cache), ("positions", positions), *outputs), "any")
-    _validate_once(
-        kv, k_norm_weight, eps, cos_sin_cache, positions,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-        rope_style=rope_style, k_out=k_out, v_out=v_out,
-    )
+    accepted = accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
+                           num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
+                           rope_style=rope_style)
     check_output_buffers(kv, outputs)
     caller = framework_of(kv)
     chosen = choose_backend(backend, caller)
@@ -109,45 +107,10 @@ def fused_kv_norm_rope(
         raise ValueError("NumPy arrays live on the host and the Triton kernel runs on the GPU "
                          "here: pass torch CUDA tensors, or use backend='jax'.")
     inputs = [to_framework(a, chosen) for a in (kv, k_norm_weight, eps, cos_sin_cache, positions)]
-    given = {"k_out": k_out, "v_out": v_out}
-    in_place = {name: to_framework(out, chosen) for name, out in given.items()
-                if _written_in_place(out, chosen)}
-    k, v = module.fused_kv_norm_rope(
-        *inputs, num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-        rope_style=rope_style, **in_place,
-    )
+    in_place = {name: to_framework(out, chosen) for name, out in outputs if _written_in_place(out, chosen)}
+    # Validated above on the caller's arrays, whose shapes, dtypes and devices crossing keeps.
+    k, v = module.fused_kv_norm_rope_validated(accepted, *inputs, **in_place)
     return _deliver(k_out, k, caller, chosen), _deliver(v_out, v, caller, chosen)
-
-
-# Validation reads only static arguments, shapes, dtypes and devices, and its Python costs
-# about as much host time as the rest of the call: metadata that passed is not checked
-# again (the outputs' memory, which depends on addresses, is checked on every call). The
-# static arguments' types are part of the key, since 2.0 == 2 would otherwise let a float
-# size through. Rejected metadata is never remembered, so a bad call raises every time.
-_VALIDATED: set = set()
-_MAX_VALIDATED = 4096
-
-
-def _metadata(array, with_device: bool = False):
-    if array is None:
-        return None
-    return (type(array), tuple(array.shape), array.dtype, device_name(array) if with_device else None)
-
-
-def _validate_once(kv, k_norm_weight, eps, cos_sin_cache, positions, *, k_out, v_out, **static):
-    key = (tuple((name, type(value), value) for name, value in static.items()), _metadata(kv, True),
-           _metadata(k_norm_weight), _metadata(eps), _metadata(cos_sin_cache), _metadata(positions),
-           _metadata(k_out, True), _metadata(v_out, True))
-    try:
-        if key in _VALIDATED:
-            return
-    except TypeError:  # an unhashable argument, which validation refuses below
-        pass
-    validate_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=k_out, v_out=v_out,
-                  check_buffers=False, **static)
-    if len(_VALIDATED) >= _MAX_VALIDATED:
-        _VALIDATED.clear()
-    _VALIDATED.add(key)
 
 
 @functools.cache

@@ -87,8 +87,8 @@ def test_auto_picks_the_callers_own_backend(monkeypatch):
     seen = []
     for name in ("torch", "jax"):
         module = interop.dispatch.load_backend(name)
-        real = module.fused_kv_norm_rope
-        monkeypatch.setattr(module, "fused_kv_norm_rope",
+        real = module.fused_kv_norm_rope_validated
+        monkeypatch.setattr(module, "fused_kv_norm_rope_validated",
                             lambda *a, _real=real, _name=name, **k: seen.append(_name) or _real(*a, **k))
     inputs = _inputs(seed=8)
     interop.fused_kv_norm_rope(*(_as_caller(a, "jax") for a in inputs.arrays()), **STATIC)
@@ -102,13 +102,13 @@ def test_contiguous_inputs_cross_without_a_copy(monkeypatch, caller, backend):
     module = interop.dispatch.load_backend(backend)
     received = {}
 
-    def spy(kv, k_norm_weight, eps, cos_sin_cache, positions, **kwargs):
+    def spy(accepted, kv, k_norm_weight, eps, cos_sin_cache, positions, **kwargs):
         received.update(kv=_pointer(kv), weight=_pointer(k_norm_weight),
                         cache=_pointer(cos_sin_cache), positions=_pointer(positions))
-        return module_real(kv, k_norm_weight, eps, cos_sin_cache, positions, **kwargs)
+        return module_real(accepted, kv, k_norm_weight, eps, cos_sin_cache, positions, **kwargs)
 
-    module_real = module.fused_kv_norm_rope
-    monkeypatch.setattr(module, "fused_kv_norm_rope", spy)
+    module_real = module.fused_kv_norm_rope_validated
+    monkeypatch.setattr(module, "fused_kv_norm_rope_validated", spy)
     args = [_as_caller(a, caller) for a in _inputs(seed=9).arrays()]
     interop.fused_kv_norm_rope(*args, **STATIC, backend=backend)
     assert received == dict(kv=_pointer(args[0]), weight=_pointer(args[1]),
@@ -257,7 +257,8 @@ def _refused_before_any_backend_runs(monkeypatch, error, message, *args, **kwarg
     ran = []
     for name in ("torch", "jax"):
         module = interop.dispatch.load_backend(name)
-        monkeypatch.setattr(module, "fused_kv_norm_rope", lambda *a, _name=name, **k: ran.append(_name))
+        for entry in ("fused_kv_norm_rope", "fused_kv_norm_rope_validated"):
+            monkeypatch.setattr(module, entry, lambda *a, _name=name, **k: ran.append(_name))
     with pytest.raises(error, match=f"^{re.escape(message)}$"):
         interop.fused_kv_norm_rope(*args, **kwargs)
     assert ran == []
