@@ -1,10 +1,12 @@
 """One backend-neutral call: arrays of any framework in, the chosen kernel, arrays of the caller's framework out.
 
 Inputs cross to the backend through DLPack (:mod:`interop.exchange` says what is
-zero-copy and what is not). On a GPU, DLPack's stream handshake orders the
-exchange: the consumer passes its stream to the producer's ``__dlpack__``, which
-makes that stream wait for work queued on the producer's stream, so no
-device-wide synchronise is needed.
+zero-copy and what is not), and results cross back, all arrays of a crossing at once
+(:func:`interop.exchange.cross`): the consumer's stream waits for the work queued on
+the producer's, on the device, never on the host (torch to jax: one event for all the
+arrays; jax to torch: each buffer's own ready event, as jax offers no other). The
+weights, eps and the cos/sin table crossing from torch to jax are kept from call to
+call while their tensors live.
 
 Given ``k_out``/``v_out`` and where they are written:
 
@@ -22,7 +24,9 @@ import functools
 import importlib
 import os
 
-from interop.exchange import framework_of, to_caller, to_framework
+import numpy as np
+
+from interop.exchange import cross, framework_of, to_caller, to_framework
 from interop.spec import accept_call, check_arrays, check_output_buffers
 
 BACKENDS = ("torch", "jax")
@@ -106,11 +110,15 @@ def fused_kv_norm_rope(
     if chosen == "torch" and caller == "numpy" and _torch_on_gpu():
         raise ValueError("NumPy arrays live on the host and the Triton kernel runs on the GPU "
                          "here: pass torch CUDA tensors, or use backend='jax'.")
-    inputs = [to_framework(a, chosen) for a in (kv, k_norm_weight, eps, cos_sin_cache, positions)]
+    inputs = cross((kv, k_norm_weight, eps, cos_sin_cache, positions), chosen, lasting=_LASTING)
     in_place = {name: to_framework(out, chosen) for name, out in outputs if _written_in_place(out, chosen)}
     # Validated above on the caller's arrays, whose shapes, dtypes and devices crossing keeps.
-    k, v = module.fused_kv_norm_rope_validated(accepted, *inputs, **in_place)
-    return _deliver(k_out, k, caller, chosen), _deliver(v_out, v, caller, chosen)
+    results = module.fused_kv_norm_rope_validated(accepted, *inputs, **in_place)
+    return _deliver((k_out, v_out), results, caller, chosen)
+
+
+# Which inputs stay the same from call to call (the weights, eps, the cos/sin table).
+_LASTING = (False, True, True, True, False)
 
 
 @functools.cache
@@ -124,16 +132,26 @@ def _written_in_place(out, backend: str) -> bool:
     return out is not None and backend == "torch" and framework_of(out) in ("torch", "numpy")
 
 
-def _deliver(given, result, caller: str, backend: str):
-    """The result as the caller should see it: its own buffer, or a new array of its framework."""
-    if given is None or framework_of(given) == "jax":
-        return to_caller(result, caller)
-    if _written_in_place(given, backend):
-        return given
-    if framework_of(given) == "numpy":
-        import numpy as np
-
-        np.copyto(given, to_caller(result, "numpy"))
-    else:
-        given.copy_(to_framework(result, "torch"))
-    return given
+def _deliver(givens, results, caller: str, backend: str) -> tuple:
+    """The results as the caller should see them: its own buffers (written in place, or
+    copied into), or new arrays of its framework; one crossing for both."""
+    delivered = list(givens)
+    moving = {}  # framework -> indices of the results going there
+    for index, given in enumerate(givens):
+        if not _written_in_place(given, backend):
+            target = caller if given is None or framework_of(given) == "jax" else framework_of(given)
+            moving.setdefault(target, []).append(index)
+    for target, indices in moving.items():
+        if target in ("torch", "jax"):
+            arrays = cross([results[i] for i in indices], target)
+        else:
+            arrays = [to_caller(results[i], target) for i in indices]
+        for index, array in zip(indices, arrays):
+            given = givens[index]
+            if given is None or framework_of(given) == "jax":
+                delivered[index] = array
+            elif target == "numpy":
+                np.copyto(given, array)
+            else:
+                given.copy_(array)
+    return tuple(delivered)
