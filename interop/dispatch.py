@@ -42,7 +42,13 @@ def load_backend(name: str):
     if name not in BACKENDS:
         raise ValueError(f"Invalid backend for fused KV materialization: got {name!r}, "
                          f"expected one of {BACKENDS + ('auto',)}.")
-    return importlib.import_module(f"fusedkv_{name}")
+    module = _BACKEND_MODULES.get(name)
+    if module is None:
+        module = _BACKEND_MODULES[name] = importlib.import_module(f"fusedkv_{name}")
+    return module
+
+
+_BACKEND_MODULES: dict = {}
 
 
 @functools.cache
@@ -135,6 +141,9 @@ def _written_in_place(out, backend: str) -> bool:
 def _deliver(givens, results, caller: str, backend: str) -> tuple:
     """The results as the caller should see them: its own buffers (written in place, or
     copied into), or new arrays of its framework; one crossing for both."""
+    if framework_of(results[0]) == caller and all(
+            given is None or _written_in_place(given, backend) for given in givens):
+        return tuple(result if given is None else given for given, result in zip(givens, results))
     delivered = list(givens)
     moving = {}  # framework -> indices of the results going there
     for index, given in enumerate(givens):

@@ -191,19 +191,20 @@ def _cross_to_jax(arrays, lasting) -> list:
             crossed[index] = to_jax(array)
     # A kept crossing is ordered through a fresh one on its device (the docstring's kv).
     fresh_devices = {tensor.device for _, tensor in fresh}
+    to_keep = []
     for index, tensor in kept:
         jax_array = _KEPT_FOR_JAX.get(tensor) if tensor.device in fresh_devices else None
         if jax_array is None:
             fresh.append((index, _torch_for_jax(tensor)))
             fresh_devices.add(tensor.device)
+            to_keep.append((index, tensor))
         else:
             crossed[index] = jax_array
     ordered = all(_order_jax_after_torch(device) for device in fresh_devices if device.type == "cuda")
     for index, tensor in fresh:
         crossed[index] = jax.dlpack.from_dlpack(_HandshakeDone(tensor) if ordered else tensor)
-    for index, tensor in kept:
-        if _KEPT_FOR_JAX.get(tensor) is None:
-            _KEPT_FOR_JAX.keep(tensor, crossed[index])
+    for index, tensor in to_keep:
+        _KEPT_FOR_JAX.keep(tensor, crossed[index])
     return crossed
 
 
