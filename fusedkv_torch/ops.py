@@ -19,7 +19,6 @@ from interop.spec import (
     FusedKVConfig,
     accept_cache_call,
     accept_call,
-    check_arrays,
     check_output_buffers,
 )
 
@@ -27,9 +26,9 @@ from interop.spec import (
 # launch: an eager call whose signature (interop.spec.call_signature) passed before is not
 # checked again, and its launch plan and compiled kernels are kept with it (the signature
 # names every tensor's dtype and device, as DirectLauncher's ``compiled`` needs). What the
-# signature cannot tell is checked on every call: that each argument is a tensor (before
-# its attributes are read), and that the outputs overlap neither each other nor kv
-# (addresses). Rejected calls are never remembered, so a bad call raises every time.
+# signature cannot tell is checked on every call: that the outputs overlap neither each
+# other nor kv (addresses). Rejected calls are never remembered, so a bad call raises
+# every time.
 # Traced calls (torch.compile) validate every time and go through the registered op, so
 # the graph records the mutation, and the op checks the outputs' memory when it runs;
 # eager calls skip the op, whose dispatcher costs more host time than the launch.
@@ -133,17 +132,14 @@ def _prepared(accepted: AcceptedCall, device: torch.device, to_slots: bool, quan
 def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
                  rope_style, k_out, v_out) -> PreparedCall:
     """A :func:`fused_kv_norm_rope` call validated, ready for :meth:`PreparedCall.launch`."""
-    outputs = (("k_out", k_out), ("v_out", v_out))
+    # Traced calls skip the array kinds (dynamo traces tensors) and addresses (none yet).
     tracing = torch.compiler.is_compiling()
-    if not tracing:
-        check_arrays((("kv", kv), ("k_norm_weight", k_norm_weight), ("eps", eps),
-                      ("cos_sin_cache", cos_sin_cache), ("positions", positions), *outputs), "torch")
     accepted = accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
                            num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-                           rope_style=rope_style, remember=not tracing)
+                           rope_style=rope_style, takes=None if tracing else "torch", remember=not tracing)
     prepared = _prepared(accepted, kv.device, False, False, False, tracing)
     if not tracing:
-        check_output_buffers(kv, outputs)
+        check_output_buffers(kv, (("k_out", k_out), ("v_out", v_out)))
     return prepared
 
 
@@ -152,18 +148,14 @@ def prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_l
                        v_scale) -> PreparedCall:
     """A :func:`fused_kv_norm_rope_into_cache` call validated, ready for
     :meth:`PreparedCall.launch_into_cache`."""
-    caches = (("k_cache", k_cache), ("v_cache", v_cache))
     tracing = torch.compiler.is_compiling()
-    if not tracing:
-        check_arrays((("kv", kv), ("k_norm_weight", k_norm_weight), ("eps", eps),
-                      ("cos_sin_cache", cos_sin_cache), ("positions", positions), ("cache_loc", cache_loc),
-                      *caches, ("k_scale", k_scale), ("v_scale", v_scale)), "torch")
     accepted = accept_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
                                  k_scale, v_scale, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                 rotary_dim=rotary_dim, rope_style=rope_style, remember=not tracing)
+                                 rotary_dim=rotary_dim, rope_style=rope_style, takes=None if tracing else "torch",
+                                 remember=not tracing)
     prepared = _prepared(accepted, kv.device, True, k_scale is not None, v_scale is not None, tracing)
     if not tracing:
-        check_output_buffers(kv, caches)
+        check_output_buffers(kv, (("k_cache", k_cache), ("v_cache", v_cache)))
     return prepared
 
 

@@ -9,7 +9,9 @@ jax tracers under ``jit`` all qualify). Two more checks are separate functions
 because their callers run them at other times: :func:`check_arrays` (is each
 argument an array the entry point takes: runs before anything reads its
 attributes) and :func:`check_output_buffers` (do the outputs overlap: depends on
-addresses, so callers that remember validated metadata still run it every call).
+addresses, so it runs on every call). :func:`accept_call` runs :func:`check_arrays`
+and :func:`validate_call` once per :func:`call_signature`, the key by which every
+entry point remembers the calls it has checked.
 Sizes are Python ints or other ``numbers.Integral`` such as NumPy's int64 (made
 ints here); ``bool``, floats (even ``2.0``), strings and None are refused, never
 truncated. Nothing here imports torch or jax.
@@ -565,15 +567,18 @@ def _check_scale(name, scale, needed, n_layers):
         )
 
 
-# Remembering accepted calls. Validation reads the static arguments, each array's kind,
-# shape and dtype, and kv's and the outputs' device; in Python that costs as much host
-# time as a decode-size launch. :func:`call_signature` is all of that as one hashable
-# key, and every entry point that skips validating a call again keys on it, so a check
-# added to validation reads nothing the key does not hold. What depends on addresses
-# (check_output_buffers) and what runs before attributes are read (check_arrays) are
-# not remembered: their callers run them on every call.
+# Remembering accepted calls. check_arrays and validation read the static arguments, each
+# array's type (and a NumPy array's strides), shape and dtype, and kv's and the outputs'
+# device; in Python that costs as much host time as a decode-size launch.
+# :func:`call_signature` is all of that as one hashable key, and every entry point that
+# skips checking a call again keys on it, so a check added there reads nothing the key
+# does not hold. What depends on addresses (check_output_buffers) is not remembered: its
+# callers run it on every call.
 _ACCEPTED_CALLS: dict[tuple, AcceptedCall] = {}
 _MAX_ACCEPTED_CALLS = 4096
+
+_CALL_ARRAYS = ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "k_out", "v_out")
+_CACHE_CALL_ARRAYS = _CALL_ARRAYS[:5] + ("cache_loc", "k_cache", "v_cache", "k_scale", "v_scale")
 
 
 class AcceptedCall:
@@ -589,32 +594,38 @@ class AcceptedCall:
 
 
 def _signature_reader(kind: type):
-    """What of an array of type ``kind`` a call's signature holds: shape, dtype and the
-    device as cheaply as it decides :func:`device_name` (a torch tensor's ``torch.device``;
-    a jax array's sharding, None for a tracer, which has no device either; nothing for
-    NumPy, always on the host; else the name)."""
+    """What of an object of type ``kind`` a call's signature holds: for an array its shape,
+    dtype and device, the device as cheaply as it decides :func:`device_name` (a torch
+    tensor's ``torch.device``; a jax array's sharding, None for a tracer, which has no
+    device either; a NumPy array's strides instead, as it is always on the host and
+    :func:`check_arrays` reads them; else the name). Nothing for what is not an array,
+    which :func:`check_arrays` refuses before anything else is read."""
     framework = framework_of_type(kind)
+    if framework is None:
+        return lambda value: None
     if framework == "torch":
         return operator.attrgetter("shape", "dtype", "device")
     if framework == "numpy":
-        return operator.attrgetter("shape", "dtype")
+        return operator.attrgetter("shape", "dtype", "strides")
     if framework == "jax":
         return lambda array: (array.shape, array.dtype, getattr(array, "sharding", None))
-    return lambda array: (array.shape, array.dtype, device_name(array))
+    return lambda array: (getattr(array, "shape", None), getattr(array, "dtype", None), device_name(array))
 
 
 _SIGNATURE_READERS: dict[type, object] = {}
 
 
-def call_signature(kind: str, arrays, num_kv_heads, head_dim, rotary_dim, rope_style) -> tuple:
-    """What validation reads of a call, as a key: ``kind`` (``'call'`` or ``'cache'``),
-    the static arguments with their types (``2.0 == 2``, yet one is refused), and
-    every array's type, shape, dtype and device (None where an optional one is left out).
+def call_signature(kind: str, takes: str | None, arrays, num_kv_heads, head_dim, rotary_dim, rope_style) -> tuple:
+    """What checking a call reads of it, as a key: ``kind`` (``'call'`` or ``'cache'``),
+    which arrays the entry point takes (``takes``, as for :func:`check_arrays`), the
+    static arguments with their types (``2.0 == 2``, yet one is refused), and every
+    argument's type, then an array's shape, dtype and device (None where an optional
+    one is left out). Reads no attribute of an argument that is not an array.
 
     Hashing it raises ``TypeError`` for an unhashable argument, which validation refuses.
     """
-    signature = [kind, type(num_kv_heads), num_kv_heads, type(head_dim), head_dim, type(rotary_dim), rotary_dim,
-                 type(rope_style), rope_style]
+    signature = [kind, takes, type(num_kv_heads), num_kv_heads, type(head_dim), head_dim, type(rotary_dim),
+                 rotary_dim, type(rope_style), rope_style]
     for array in arrays:
         if array is None:
             signature.append(None)
@@ -648,18 +659,22 @@ def _remember(signature: tuple | None, call: CallShape) -> AcceptedCall:
 
 
 def accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, *, num_kv_heads: int,
-                head_dim: int, rotary_dim: int, rope_style: str = "neox", remember: bool = True) -> AcceptedCall:
-    """:func:`validate_call` without ``check_buffers``, once per :func:`call_signature`: a
-    call whose signature passed before is not checked again; one that fails raises every
-    time. Run :func:`check_arrays` before and :func:`check_output_buffers` after, on every
-    call. ``remember=False`` validates without remembering (traced calls: torch.compile)."""
+                head_dim: int, rotary_dim: int, rope_style: str = "neox", takes: str | None = None,
+                remember: bool = True) -> AcceptedCall:
+    """:func:`check_arrays` (``takes``: which arrays the entry point takes; None where the
+    caller checks them itself) and :func:`validate_call` without ``check_buffers``, once
+    per :func:`call_signature`: a call whose signature passed before is not checked again;
+    one that fails raises every time. Run :func:`check_output_buffers` after it, on every
+    call. ``remember=False`` checks without remembering (traced calls: torch.compile)."""
+    arrays = (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out)
     signature = None
     if remember:
-        signature = call_signature("call", (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out),
-                                   num_kv_heads, head_dim, rotary_dim, rope_style)
+        signature = call_signature("call", takes, arrays, num_kv_heads, head_dim, rotary_dim, rope_style)
         accepted = _remembered(signature)
         if accepted is not None:
             return accepted
+    if takes is not None:
+        check_arrays(zip(_CALL_ARRAYS, arrays), takes)
     return _remember(signature, validate_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads=num_kv_heads, head_dim=head_dim,
         rotary_dim=rotary_dim, rope_style=rope_style, k_out=k_out, v_out=v_out, check_buffers=False))
@@ -667,16 +682,17 @@ def accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, 
 
 def accept_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale,
                       v_scale, *, num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str = "neox",
-                      remember: bool = True) -> AcceptedCall:
+                      takes: str | None = None, remember: bool = True) -> AcceptedCall:
     """:func:`accept_call` for :func:`validate_cache_call`."""
+    arrays = (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale, v_scale)
     signature = None
     if remember:
-        signature = call_signature(
-            "cache", (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale,
-                      v_scale), num_kv_heads, head_dim, rotary_dim, rope_style)
+        signature = call_signature("cache", takes, arrays, num_kv_heads, head_dim, rotary_dim, rope_style)
         accepted = _remembered(signature)
         if accepted is not None:
             return accepted
+    if takes is not None:
+        check_arrays(zip(_CACHE_CALL_ARRAYS, arrays), takes)
     return _remember(signature, validate_cache_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,

@@ -16,7 +16,13 @@ import interop  # noqa: E402
 from interop import spec  # noqa: E402
 from interop.arrays import numpy_dtype  # noqa: E402
 from interop.exchange import to_torch  # noqa: E402
-from interop.spec import FusedKVConfig, call_signature, validate_cache_call, validate_call  # noqa: E402
+from interop.spec import (  # noqa: E402
+    FusedKVConfig,
+    call_signature,
+    check_arrays,
+    validate_cache_call,
+    validate_call,
+)
 from interop.testing import random_inputs  # noqa: E402
 
 CONFIG = FusedKVConfig(num_kv_heads=2, head_dim=32, rotary_dim=32)
@@ -48,11 +54,17 @@ ENTRY_POINTS = {
 }
 
 
-def _changes(make):
+def _changes(entry, make):
     """One field of a call that passes changed so that the call must be refused: the field,
     the new value (built from the host call) and the error's type and opening words.
     jax holds no 64-bit floats here (x64 off), so dtypes change to ones it keeps."""
+    reversed_kv = lambda host: host["kv"][::-1]  # noqa: E731 (a NumPy array: not made)
+    if entry == "fusedkv_torch":
+        reversed_kv_refusal = (TypeError, "Invalid kv for fused KV materialization: got numpy.ndarray")
+    else:
+        reversed_kv_refusal = (ValueError, "Invalid kv for fused KV materialization: got strides (-256, 256, 2) with a negative stride")
     changes = [
+        ("kv", reversed_kv, *reversed_kv_refusal),
         ("num_kv_heads", 2.0, TypeError, "Invalid num_kv_heads"),
         ("num_kv_heads", 4, ValueError, "Invalid fused KV projection shape"),
         ("head_dim", np.float64(32.0), TypeError, "Invalid head_dim"),
@@ -80,8 +92,13 @@ def _changes(make):
     if make is _as_torch:  # another device: torch's meta tensors have one without memory
         changes.append(("k_out", lambda host: torch.empty(OUT_SHAPE, dtype=torch.bfloat16, device="meta"),
                         ValueError, "Invalid k_out device/dtype"))
-    return [(name, change if not callable(change) else _made(change, make), error, message)
+    return [(name, change if not callable(change) or change is reversed_kv else _made(change, make), error, message)
             for name, change, error, message in changes]
+
+
+def _refused_before_validation(message):
+    """Whether a refusal comes from check_arrays, which runs before validate_call."""
+    return message.startswith("Invalid kv for fused KV materialization: got ")
 
 
 def _made(change, make):
@@ -114,14 +131,25 @@ def test_a_call_that_passed_does_not_let_the_same_call_with_one_field_changed_th
     for _ in range(2):
         call(**good, **STATIC)
     assert validations[0] == 1  # the second call was remembered, not validated again
-    for name, change, error, message in _changes(make):
+    changes = _changes(entry, make)
+    for name, change, error, message in changes:
         changed = {**good, **STATIC, name: change(host) if callable(change) else change}
         for _ in range(2):  # a refused call is never remembered
             with pytest.raises(error, match="^" + re.escape(message)):
                 call(**changed)
     call(**good, **STATIC)
-    assert validations[0] == 1 + 2 * sum(1 for _, _, error, message in _changes(make)
-                                         if not message.endswith("got list"))
+    assert validations[0] == 1 + 2 * sum(1 for *_, message in changes if not _refused_before_validation(message))
+
+
+def test_a_numpy_kv_with_a_negative_stride_is_refused_after_the_same_call_with_a_positive_one(validations):
+    host = _host_call()
+    args = {name: host[name] for name in ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions")}
+    interop.fused_kv_norm_rope(**args, **STATIC, backend="jax")
+    reversed_kv = host["kv"][::-1]  # the same type, shape and dtype; only the strides differ
+    for _ in range(2):
+        with pytest.raises(ValueError, match="^" + re.escape(
+                "Invalid kv for fused KV materialization: got strides (-256, 256, 2) with a negative stride")):
+            interop.fused_kv_norm_rope(**{**args, "kv": reversed_kv}, **STATIC, backend="jax")
 
 
 class _Recorded:
@@ -162,9 +190,9 @@ def test_the_call_signature_reads_every_attribute_validation_reads():
     host = _host_call()
     names = ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "k_out", "v_out")
     arrays = [host[name] for name in names]
-    validated = _reads_of(lambda recorded: validate_call(
-        *recorded[:5], k_out=recorded[5], v_out=recorded[6], check_buffers=False, **STATIC), arrays)
-    signed = _reads_of(lambda recorded: call_signature("call", recorded, *STATIC.values()), arrays)
+    validated = _reads_of(lambda recorded: (check_arrays(zip(names, recorded), "any"), validate_call(
+        *recorded[:5], k_out=recorded[5], v_out=recorded[6], check_buffers=False, **STATIC)), arrays)
+    signed = _reads_of(lambda recorded: call_signature("call", "any", recorded, *STATIC.values()), arrays)
     assert all(validated), "validation read no attribute: the recording sees nothing"
     for name, by_validation, by_signature in zip(names, validated, signed):
         assert by_validation <= by_signature, f"{name}: validation reads {by_validation - by_signature}"
@@ -177,9 +205,9 @@ def test_the_cache_call_signature_reads_every_attribute_validation_reads():
              "k_scale", "v_scale")
     arrays = [host[name] for name in names[:5]] + [np.arange(3, dtype=np.int32), fp8_cache, fp8_cache.copy(),
                                                    np.ones(1, np.float32), np.ones(1, np.float32)]
-    validated = _reads_of(lambda recorded: validate_cache_call(
-        *recorded[:8], k_scale=recorded[8], v_scale=recorded[9], check_buffers=False, **STATIC), arrays)
-    signed = _reads_of(lambda recorded: call_signature("cache", recorded, *STATIC.values()), arrays)
+    validated = _reads_of(lambda recorded: (check_arrays(zip(names, recorded), "any"), validate_cache_call(
+        *recorded[:8], k_scale=recorded[8], v_scale=recorded[9], check_buffers=False, **STATIC)), arrays)
+    signed = _reads_of(lambda recorded: call_signature("cache", "any", recorded, *STATIC.values()), arrays)
     assert all(validated), "validation read no attribute: the recording sees nothing"
     for name, by_validation, by_signature in zip(names, validated, signed):
         assert by_validation <= by_signature, f"{name}: validation reads {by_validation - by_signature}"
