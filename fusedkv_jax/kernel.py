@@ -58,12 +58,13 @@ from fusedkv_jax.partitioning import partitioned
 from interop.exchange import narrow_for_jax
 from interop.reference import FP8_E4M3_MAX, SMALLEST_NORMAL_FP32
 from interop.spec import (
+    AcceptedCall,
     FusedKVConfig,
+    accept_cache_call,
+    accept_call,
     check_arrays,
     check_output_buffers,
     tile_argument,
-    validate_cache_call,
-    validate_call,
 )
 
 from fusedkv_jax import mosaic_kernel
@@ -437,13 +438,26 @@ def fused_kv_norm_rope(
     check_arrays((("kv", kv), ("k_norm_weight", k_norm_weight), ("eps", eps),
                   ("cos_sin_cache", cos_sin_cache), ("positions", positions), *outputs), "jax")
     kv, k_out, v_out = (_on_default_device(a) for a in (kv, k_out, v_out))
-    call = validate_call(
-        kv, k_norm_weight, eps, cos_sin_cache, positions,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-        rope_style=rope_style, k_out=k_out, v_out=v_out, check_buffers=False,
+    accepted = accept_call(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
     )
     # On the caller's own arrays: a NumPy array's memory is not seen once moved to jax.
     check_output_buffers(given_kv, outputs)
+    return fused_kv_norm_rope_validated(
+        accepted, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=k_out, v_out=v_out,
+        block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps, interpret=interpret,
+        lowering=lowering)
+
+
+def fused_kv_norm_rope_validated(accepted: AcceptedCall, kv, k_norm_weight, eps, cos_sin_cache, positions, *,
+                                 k_out=None, v_out=None, block_tokens=None, block_heads=None, num_warps=None,
+                                 interpret=None, lowering=None):
+    """:func:`fused_kv_norm_rope` on jax arrays (and NumPy ones but ``kv``) that were
+    validated as ``accepted`` (``interop.spec.accept_call``, then ``check_output_buffers``):
+    those checks are not run again. ``interop``'s and :func:`fused_kv_norm_rope`'s own path;
+    the public function checks everything."""
+    call = accepted.shape
     interpret = _on_cpu(kv) if interpret is None else interpret
     tile = default_tile(call.total_ctx, call.n_layers, call.config.num_kv_heads, call.config.head_dim,
                         rotary_dim=call.config.rotary_dim, rope_style=call.config.rope_style,
@@ -550,11 +564,10 @@ def fused_kv_norm_rope_into_cache(
                   ("cos_sin_cache", cos_sin_cache), ("positions", positions), ("cache_loc", cache_loc),
                   *caches, ("k_scale", k_scale), ("v_scale", v_scale)), "jax")
     kv, k_cache, v_cache = (_on_default_device(a) for a in (kv, k_cache, v_cache))
-    call = validate_cache_call(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-        rope_style=rope_style, k_scale=k_scale, v_scale=v_scale, check_buffers=False,
-    )
+    call = accept_cache_call(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale, v_scale,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
+    ).shape
     check_output_buffers(given_kv, caches)
     interpret = _on_cpu(kv) if interpret is None else interpret
     tile = default_tile(call.total_ctx, call.n_layers, call.config.num_kv_heads, call.config.head_dim,

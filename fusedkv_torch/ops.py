@@ -14,26 +14,24 @@ import torch
 
 from fusedkv_torch.kernel import _launch, _launcher, _plan, launch, supports_dependent_launch
 from interop.spec import (
+    AcceptedCall,
     CallShape,
     FusedKVConfig,
-    check_arrays,
+    accept_cache_call,
+    accept_call,
     check_output_buffers,
-    validate_cache_call,
-    validate_call,
 )
 
 # Validation of shapes, dtypes and devices (interop.spec) costs more host time than the
-# launch: an eager call whose metadata passed before is not checked again, and its launch
-# plan and compiled kernels are kept with it (the metadata names every tensor's dtype and
-# device, as DirectLauncher's ``compiled`` needs, and the sizes' types, since 2.0 == 2).
-# What metadata cannot tell is checked on every call: that each argument is a tensor
-# (before the metadata is read), and that the outputs overlap neither each other nor kv
-# (addresses). Rejected metadata is never remembered, so a bad call raises every time.
+# launch: an eager call whose signature (interop.spec.call_signature) passed before is not
+# checked again, and its launch plan and compiled kernels are kept with it (the signature
+# names every tensor's dtype and device, as DirectLauncher's ``compiled`` needs). What the
+# signature cannot tell is checked on every call: that the outputs overlap neither each
+# other nor kv (addresses). Rejected calls are never remembered, so a bad call raises
+# every time.
 # Traced calls (torch.compile) validate every time and go through the registered op, so
 # the graph records the mutation, and the op checks the outputs' memory when it runs;
 # eager calls skip the op, whose dispatcher costs more host time than the launch.
-_PREPARED_CALLS: dict[tuple, PreparedCall] = {}
-_MAX_PREPARED_CALLS = 4096
 
 
 class PreparedCall:
@@ -115,49 +113,33 @@ def _check_runnable(device: torch.device) -> None:
         )
 
 
-def _prepared(metadata: tuple, validate, device: torch.device, to_slots: bool, quantize_k: bool,
+def _prepared(accepted: AcceptedCall, device: torch.device, to_slots: bool, quantize_k: bool,
               quantize_v: bool, tracing: bool) -> PreparedCall:
-    """``validate()`` with its launch plan, both computed once per ``metadata``."""
+    """The launch plan of an accepted call, made once per call signature."""
     if tracing:
-        call = validate()
         _check_runnable(device)
-        return PreparedCall(call, None, None)
-    try:
-        prepared = _PREPARED_CALLS.get(metadata)
-    except TypeError:  # an unhashable argument, which validation refuses below
-        prepared = None
+        return PreparedCall(accepted.shape, None, None)
+    prepared = accepted.prepared.get("torch")
     if prepared is None:
-        call = validate()
         _check_runnable(device)
+        call = accepted.shape
         plan = _plan(call.config, call.total_ctx, call.n_layers, to_slots, quantize_k, quantize_v,
                      None, None, None, supports_dependent_launch(device))
-        if len(_PREPARED_CALLS) >= _MAX_PREPARED_CALLS:
-            _PREPARED_CALLS.clear()
-        prepared = _PREPARED_CALLS[metadata] = PreparedCall(call, plan, {})
+        prepared = accepted.prepared["torch"] = PreparedCall(call, plan, {})
     return prepared
 
 
 def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
                  rope_style, k_out, v_out) -> PreparedCall:
     """A :func:`fused_kv_norm_rope` call validated, ready for :meth:`PreparedCall.launch`."""
-    outputs = (("k_out", k_out), ("v_out", v_out))
+    # Traced calls skip the array kinds (dynamo traces tensors) and addresses (none yet).
     tracing = torch.compiler.is_compiling()
+    accepted = accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
+                           num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
+                           rope_style=rope_style, takes=None if tracing else "torch", remember=not tracing)
+    prepared = _prepared(accepted, kv.device, False, False, False, tracing)
     if not tracing:
-        check_arrays((("kv", kv), ("k_norm_weight", k_norm_weight), ("eps", eps),
-                      ("cos_sin_cache", cos_sin_cache), ("positions", positions), *outputs), "torch")
-    prepared = _prepared((
-        num_kv_heads, head_dim, rotary_dim, type(num_kv_heads), type(head_dim), type(rotary_dim), rope_style,
-        kv.shape, kv.dtype, kv.device,
-        k_norm_weight.shape, k_norm_weight.dtype, k_norm_weight.device, eps.shape, eps.dtype, eps.device,
-        cos_sin_cache.shape, cos_sin_cache.dtype, cos_sin_cache.device, positions.shape, positions.dtype,
-        None if k_out is None else (k_out.shape, k_out.dtype, k_out.device),
-        None if v_out is None else (v_out.shape, v_out.dtype, v_out.device),
-    ), lambda: validate_call(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        rotary_dim=rotary_dim, rope_style=rope_style, k_out=k_out, v_out=v_out, check_buffers=False,
-    ), kv.device, False, False, False, tracing)
-    if not tracing:
-        check_output_buffers(kv, outputs)
+        check_output_buffers(kv, (("k_out", k_out), ("v_out", v_out)))
     return prepared
 
 
@@ -166,28 +148,14 @@ def prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_l
                        v_scale) -> PreparedCall:
     """A :func:`fused_kv_norm_rope_into_cache` call validated, ready for
     :meth:`PreparedCall.launch_into_cache`."""
-    caches = (("k_cache", k_cache), ("v_cache", v_cache))
     tracing = torch.compiler.is_compiling()
+    accepted = accept_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+                                 k_scale, v_scale, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                 rotary_dim=rotary_dim, rope_style=rope_style, takes=None if tracing else "torch",
+                                 remember=not tracing)
+    prepared = _prepared(accepted, kv.device, True, k_scale is not None, v_scale is not None, tracing)
     if not tracing:
-        check_arrays((("kv", kv), ("k_norm_weight", k_norm_weight), ("eps", eps),
-                      ("cos_sin_cache", cos_sin_cache), ("positions", positions), ("cache_loc", cache_loc),
-                      *caches, ("k_scale", k_scale), ("v_scale", v_scale)), "torch")
-    prepared = _prepared((
-        "cache", num_kv_heads, head_dim, rotary_dim, type(num_kv_heads), type(head_dim), type(rotary_dim),
-        rope_style, kv.shape, kv.dtype, kv.device,
-        k_norm_weight.shape, k_norm_weight.dtype, k_norm_weight.device, eps.shape, eps.dtype, eps.device,
-        cos_sin_cache.shape, cos_sin_cache.dtype, cos_sin_cache.device, positions.shape, positions.dtype,
-        cache_loc.shape, cache_loc.dtype,
-        k_cache.shape, k_cache.dtype, k_cache.device, v_cache.shape, v_cache.dtype, v_cache.device,
-        None if k_scale is None else (k_scale.shape, k_scale.dtype),
-        None if v_scale is None else (v_scale.shape, v_scale.dtype),
-    ), lambda: validate_cache_call(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
-        k_scale=k_scale, v_scale=v_scale, check_buffers=False,
-    ), kv.device, True, k_scale is not None, v_scale is not None, tracing)
-    if not tracing:
-        check_output_buffers(kv, caches)
+        check_output_buffers(kv, (("k_cache", k_cache), ("v_cache", v_cache)))
     return prepared
 
 
@@ -263,6 +231,15 @@ def fused_kv_norm_rope(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, rope_style,
         k_out, v_out,
     ).launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, check_positions)
+
+
+def fused_kv_norm_rope_validated(accepted: AcceptedCall, kv, k_norm_weight, eps, cos_sin_cache, positions, *,
+                                 k_out=None, v_out=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fused_kv_norm_rope` on torch tensors made from arrays that ``interop`` validated
+    as ``accepted`` (``interop.spec.accept_call``, then ``check_output_buffers``): those
+    checks are not run again. Not for other callers: the public function checks everything."""
+    return _prepared(accepted, kv.device, False, False, False, False).launch(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, False)
 
 
 @torch.library.custom_op("fusedkv::write_fused_kv_norm_rope_into_cache",

@@ -1,10 +1,12 @@
 """One backend-neutral call: arrays of any framework in, the chosen kernel, arrays of the caller's framework out.
 
 Inputs cross to the backend through DLPack (:mod:`interop.exchange` says what is
-zero-copy and what is not). On a GPU, DLPack's stream handshake orders the
-exchange: the consumer passes its stream to the producer's ``__dlpack__``, which
-makes that stream wait for work queued on the producer's stream, so no
-device-wide synchronise is needed.
+zero-copy and what is not), and results cross back, all arrays of a crossing at once
+(:func:`interop.exchange.cross`): the consumer's stream waits for the work queued on
+the producer's, on the device, never on the host (torch to jax: one event for all the
+arrays; jax to torch: each buffer's own ready event, as jax offers no other). The
+weights, eps and the cos/sin table crossing from torch to jax are kept from call to
+call while their tensors live.
 
 Given ``k_out``/``v_out`` and where they are written:
 
@@ -22,8 +24,10 @@ import functools
 import importlib
 import os
 
-from interop.exchange import framework_of, to_caller, to_framework
-from interop.spec import check_arrays, check_output_buffers, device_name, validate_call
+import numpy as np
+
+from interop.exchange import cross, framework_of, to_caller, to_framework
+from interop.spec import accept_call, check_output_buffers
 
 BACKENDS = ("torch", "jax")
 
@@ -38,7 +42,13 @@ def load_backend(name: str):
     if name not in BACKENDS:
         raise ValueError(f"Invalid backend for fused KV materialization: got {name!r}, "
                          f"expected one of {BACKENDS + ('auto',)}.")
-    return importlib.import_module(f"fusedkv_{name}")
+    module = _BACKEND_MODULES.get(name)
+    if module is None:
+        module = _BACKEND_MODULES[name] = importlib.import_module(f"fusedkv_{name}")
+    return module
+
+
+_BACKEND_MODULES: dict = {}
 
 
 @functools.cache
@@ -94,13 +104,9 @@ def fused_kv_norm_rope(
       ``(k_out, v_out)`` as arrays of ``kv``'s framework.
     """
     outputs = (("k_out", k_out), ("v_out", v_out))
-    check_arrays((("kv", kv), ("k_norm_weight", k_norm_weight), ("eps", eps),
-                  ("cos_sin_cache", cos_sin_cache), ("positions", positions), *outputs), "any")
-    _validate_once(
-        kv, k_norm_weight, eps, cos_sin_cache, positions,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-        rope_style=rope_style, k_out=k_out, v_out=v_out,
-    )
+    accepted = accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
+                           num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
+                           rope_style=rope_style, takes="any")
     check_output_buffers(kv, outputs)
     caller = framework_of(kv)
     chosen = choose_backend(backend, caller)
@@ -108,46 +114,15 @@ def fused_kv_norm_rope(
     if chosen == "torch" and caller == "numpy" and _torch_on_gpu():
         raise ValueError("NumPy arrays live on the host and the Triton kernel runs on the GPU "
                          "here: pass torch CUDA tensors, or use backend='jax'.")
-    inputs = [to_framework(a, chosen) for a in (kv, k_norm_weight, eps, cos_sin_cache, positions)]
-    given = {"k_out": k_out, "v_out": v_out}
-    in_place = {name: to_framework(out, chosen) for name, out in given.items()
-                if _written_in_place(out, chosen)}
-    k, v = module.fused_kv_norm_rope(
-        *inputs, num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-        rope_style=rope_style, **in_place,
-    )
-    return _deliver(k_out, k, caller, chosen), _deliver(v_out, v, caller, chosen)
+    inputs = cross((kv, k_norm_weight, eps, cos_sin_cache, positions), chosen, lasting=_LASTING)
+    in_place = {name: to_framework(out, chosen) for name, out in outputs if _written_in_place(out, chosen)}
+    # Validated above on the caller's arrays, whose shapes, dtypes and devices crossing keeps.
+    results = module.fused_kv_norm_rope_validated(accepted, *inputs, **in_place)
+    return _deliver((k_out, v_out), results, caller, chosen)
 
 
-# Validation reads only static arguments, shapes, dtypes and devices, and its Python costs
-# about as much host time as the rest of the call: metadata that passed is not checked
-# again (the outputs' memory, which depends on addresses, is checked on every call). The
-# static arguments' types are part of the key, since 2.0 == 2 would otherwise let a float
-# size through. Rejected metadata is never remembered, so a bad call raises every time.
-_VALIDATED: set = set()
-_MAX_VALIDATED = 4096
-
-
-def _metadata(array, with_device: bool = False):
-    if array is None:
-        return None
-    return (type(array), tuple(array.shape), array.dtype, device_name(array) if with_device else None)
-
-
-def _validate_once(kv, k_norm_weight, eps, cos_sin_cache, positions, *, k_out, v_out, **static):
-    key = (tuple((name, type(value), value) for name, value in static.items()), _metadata(kv, True),
-           _metadata(k_norm_weight), _metadata(eps), _metadata(cos_sin_cache), _metadata(positions),
-           _metadata(k_out, True), _metadata(v_out, True))
-    try:
-        if key in _VALIDATED:
-            return
-    except TypeError:  # an unhashable argument, which validation refuses below
-        pass
-    validate_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=k_out, v_out=v_out,
-                  check_buffers=False, **static)
-    if len(_VALIDATED) >= _MAX_VALIDATED:
-        _VALIDATED.clear()
-    _VALIDATED.add(key)
+# Which inputs stay the same from call to call (the weights, eps, the cos/sin table).
+_LASTING = (False, True, True, True, False)
 
 
 @functools.cache
@@ -161,16 +136,29 @@ def _written_in_place(out, backend: str) -> bool:
     return out is not None and backend == "torch" and framework_of(out) in ("torch", "numpy")
 
 
-def _deliver(given, result, caller: str, backend: str):
-    """The result as the caller should see it: its own buffer, or a new array of its framework."""
-    if given is None or framework_of(given) == "jax":
-        return to_caller(result, caller)
-    if _written_in_place(given, backend):
-        return given
-    if framework_of(given) == "numpy":
-        import numpy as np
-
-        np.copyto(given, to_caller(result, "numpy"))
-    else:
-        given.copy_(to_framework(result, "torch"))
-    return given
+def _deliver(givens, results, caller: str, backend: str) -> tuple:
+    """The results as the caller should see them: its own buffers (written in place, or
+    copied into), or new arrays of its framework; one crossing for both."""
+    if framework_of(results[0]) == caller and all(
+            given is None or _written_in_place(given, backend) for given in givens):
+        return tuple(result if given is None else given for given, result in zip(givens, results))
+    delivered = list(givens)
+    moving = {}  # framework -> indices of the results going there
+    for index, given in enumerate(givens):
+        if not _written_in_place(given, backend):
+            target = caller if given is None or framework_of(given) == "jax" else framework_of(given)
+            moving.setdefault(target, []).append(index)
+    for target, indices in moving.items():
+        if target in ("torch", "jax"):
+            arrays = cross([results[i] for i in indices], target)
+        else:
+            arrays = [to_caller(results[i], target) for i in indices]
+        for index, array in zip(indices, arrays):
+            given = givens[index]
+            if given is None or framework_of(given) == "jax":
+                delivered[index] = array
+            elif target == "numpy":
+                np.copyto(given, array)
+            else:
+                given.copy_(array)
+    return tuple(delivered)

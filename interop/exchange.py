@@ -16,11 +16,25 @@ jax, on CPU and GPU, and torch/NumPy on the CPU. What costs a copy, and why:
   not; torch's are) is copied by jax on import.
 
 A tensor that requires grad is exported through ``.detach()``, which copies nothing.
+
+On a GPU the consumer must not read a buffer before the producer's queued work has
+written it. DLPack orders each exchange on its own: the consumer passes its stream to
+the producer's ``__dlpack__``, which makes that stream wait for the producer's (torch
+records an event per tensor; jax waits for each buffer's own ready event). A call that
+moves several arrays does better with :func:`cross`: torch tensors going to jax make
+jax's stream for external buffers wait once, for one event on torch's current stream,
+and are then exported without a handshake of their own (DLPack's ``stream=-1``); jax
+arrays going to torch are exported with torch's current stream looked up once (jax has
+no stream-wide event to wait for: each buffer carries its own, waited for on the
+device, never on the host). Arrays that do not change between calls (the weights, eps,
+the cos/sin table) can be crossed to jax once and kept (:func:`cross`'s ``lasting``).
 """
 
 from __future__ import annotations
 
 import importlib
+import weakref
+from typing import Sequence
 
 import numpy as np
 
@@ -117,6 +131,179 @@ def to_caller(array, caller: str):
     if caller == "jax":
         return to_jax(array)
     return importlib.import_module(caller).from_dlpack(array)
+
+
+def cross(arrays: Sequence, framework: str, *, lasting: Sequence[bool] = ()) -> list:
+    """``[to_framework(a, framework) for a in arrays]`` (None stays None), with one stream
+    handshake for the whole crossing (module docstring).
+
+    ``lasting``: per array, whether it stays the same between calls (weights, eps, the
+    cos/sin table). A lasting torch tensor crossed to jax without a copy is kept, and
+    crossed again only once its memory or layout changes or it is freed. Its jax array
+    aliases the tensor, so in-place writes are seen; they are ordered before the
+    kernel because the kernel also reads a freshly crossed array (kv), which jax
+    makes wait for the handshake, and a kept one is used only beside such an array.
+    """
+    if all(array is None or framework_of(array) == framework for array in arrays):
+        return list(arrays)
+    if framework == "torch":
+        return _cross_to_torch(arrays)
+    return _cross_to_jax(arrays, lasting)
+
+
+def _cross_to_torch(arrays) -> list:
+    import torch
+
+    streams = {}
+    crossed = []
+    for array in arrays:
+        if framework_of(array) != "jax":
+            crossed.append(None if array is None else to_torch(array))
+            continue
+        device_type, device_id = array.__dlpack_device__()
+        stream = None  # host memory: jax hands it over once written
+        if int(device_type) in _DLPACK_GPU_DEVICES:
+            stream = streams.get(device_id)
+            if stream is None:
+                current = torch.cuda.current_stream(int(device_id)).cuda_stream
+                # DLPack names CUDA's legacy default stream 1 (0 would mean "no stream").
+                stream = streams[device_id] = 1 if current == 0 else current
+        crossed.append(torch.utils.dlpack.from_dlpack(array.__dlpack__(stream=stream)))
+    return crossed
+
+
+_DLPACK_GPU_DEVICES = (2, 10)  # kDLCUDA, kDLROCM
+
+
+def _cross_to_jax(arrays, lasting) -> list:
+    import jax
+
+    crossed = [None] * len(arrays)
+    fresh = []  # (index, tensor made ready for jax) of the torch tensors crossed now
+    kept = []  # (index, tensor) of the lasting ones
+    for index, array in enumerate(arrays):
+        kind = framework_of(array)
+        if kind == "torch" and index < len(lasting) and lasting[index]:
+            kept.append((index, array))
+        elif kind == "torch":
+            fresh.append((index, _torch_for_jax(array)))
+        elif array is not None:
+            crossed[index] = to_jax(array)
+    # A kept crossing is ordered through a fresh one on its device (the docstring's kv).
+    fresh_devices = {tensor.device for _, tensor in fresh}
+    to_keep = []
+    for index, tensor in kept:
+        jax_array = _KEPT_FOR_JAX.get(tensor) if tensor.device in fresh_devices else None
+        if jax_array is None:
+            fresh.append((index, _torch_for_jax(tensor)))
+            fresh_devices.add(tensor.device)
+            to_keep.append((index, tensor))
+        else:
+            crossed[index] = jax_array
+    ordered = all(_order_jax_after_torch(device) for device in fresh_devices if device.type == "cuda")
+    for index, tensor in fresh:
+        crossed[index] = jax.dlpack.from_dlpack(_HandshakeDone(tensor) if ordered else tensor)
+    for index, tensor in to_keep:
+        _KEPT_FOR_JAX.keep(tensor, crossed[index])
+    return crossed
+
+
+class _HandshakeDone:
+    """A torch tensor that jax imports without DLPack's per-tensor handshake: the
+    crossing already made jax's stream wait for torch's (:func:`_order_jax_after_torch`).
+    ``stream=-1`` is DLPack's "no synchronization"."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+    def __dlpack__(self, *, stream=None, **kwargs):
+        return self.tensor.__dlpack__(stream=-1, **kwargs)
+
+
+def _order_jax_after_torch(device) -> bool:
+    """Make the stream jax takes external buffers' readiness from, on CUDA ``device``, wait
+    for the work queued so far on torch's current stream there: one event, no host wait.
+    jax records each buffer it then imports as ready on that stream (after the wait), and
+    its kernels wait for that before reading. False where jax has no such stream (its
+    own ``from_dlpack`` then passes none either), and the tensors take DLPack's handshake."""
+    import torch
+
+    try:
+        jax_stream = _jax_device(device.index).get_stream_for_external_ready_events()
+    except Exception:  # a jax or platform without one: jax's from_dlpack falls back alike
+        return False
+    torch_stream = torch.cuda.current_stream(device)
+    if torch_stream.cuda_stream != jax_stream:
+        _torch_stream(jax_stream, device.index).wait_stream(torch_stream)
+    return True
+
+
+_JAX_DEVICES: dict[int, object] = {}
+_TORCH_STREAMS: dict[tuple[int, int], object] = {}
+
+
+def _jax_device(index: int):
+    """jax's GPU with CUDA index ``index`` (its ``local_hardware_id``)."""
+    device = _JAX_DEVICES.get(index)
+    if device is None:
+        import jax
+
+        _JAX_DEVICES.update((d.local_hardware_id, d) for d in jax.local_devices(backend="gpu"))
+        device = _JAX_DEVICES[index]
+    return device
+
+
+def _torch_stream(pointer: int, index: int):
+    """jax's stream ``pointer`` as a torch stream (a wrapper only: jax owns the stream)."""
+    stream = _TORCH_STREAMS.get((pointer, index))
+    if stream is None:
+        import torch
+
+        stream = _TORCH_STREAMS[(pointer, index)] = torch.cuda.ExternalStream(pointer, device=index)
+    return stream
+
+
+class _KeptCrossings:
+    """jax arrays over lasting torch tensors, by the tensor's identity, with the layout
+    they were made for; an entry goes when its tensor is freed."""
+
+    _MAX_KEPT = 64
+
+    def __init__(self):
+        self._by_id: dict[int, tuple] = {}
+
+    @staticmethod
+    def _layout(tensor) -> tuple:
+        return tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device
+
+    def get(self, tensor):
+        entry = self._by_id.get(id(tensor))
+        if entry is None:
+            return None
+        reference, layout, jax_array = entry
+        if reference() is not tensor or layout != self._layout(tensor):
+            return None
+        return jax_array
+
+    def keep(self, tensor, jax_array) -> None:
+        """Keep ``jax_array`` for ``tensor`` if it aliases the tensor's memory (a copy, made
+        for a 64-bit dtype or an unaligned host buffer, would miss later writes)."""
+        if tensor.element_size() == 8 or jax_array.unsafe_buffer_pointer() != tensor.data_ptr():
+            return
+        if len(self._by_id) >= self._MAX_KEPT:
+            self._by_id.clear()
+        key = id(tensor)
+        by_id = self._by_id
+        reference = weakref.ref(tensor, lambda _, key=key: by_id.pop(key, None))
+        by_id[key] = (reference, self._layout(tensor), jax_array)
+
+
+_KEPT_FOR_JAX = _KeptCrossings()
 
 
 def _to_numpy(array) -> np.ndarray:

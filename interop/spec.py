@@ -9,7 +9,9 @@ jax tracers under ``jit`` all qualify). Two more checks are separate functions
 because their callers run them at other times: :func:`check_arrays` (is each
 argument an array the entry point takes: runs before anything reads its
 attributes) and :func:`check_output_buffers` (do the outputs overlap: depends on
-addresses, so callers that remember validated metadata still run it every call).
+addresses, so it runs on every call). :func:`accept_call` runs :func:`check_arrays`
+and :func:`validate_call` once per :func:`call_signature`, the key by which every
+entry point remembers the calls it has checked.
 Sizes are Python ints or other ``numbers.Integral`` such as NumPy's int64 (made
 ints here); ``bool``, floats (even ``2.0``), strings and None are refused, never
 truncated. Nothing here imports torch or jax.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import operator
 import types
 
 import numpy as np
@@ -143,7 +146,14 @@ _FRAMEWORK_OF_TYPE: dict[type, str | None] = {}
 def framework_of(array) -> str | None:
     """``'numpy'``, ``'torch'``, ``'jax'`` (arrays and tracers), the top-level module of
     another ``__dlpack__`` producer (``'cupy'``), or None for what is not an array."""
-    kind = type(array)
+    try:
+        return _FRAMEWORK_OF_TYPE[type(array)]
+    except KeyError:
+        return framework_of_type(type(array))
+
+
+def framework_of_type(kind: type) -> str | None:
+    """:func:`framework_of` for arrays of type ``kind``."""
     try:
         return _FRAMEWORK_OF_TYPE[kind]
     except KeyError:
@@ -555,3 +565,135 @@ def _check_scale(name, scale, needed, n_layers):
             f"Invalid {name} for fused KV materialization: got {got}, "
             f"expected float32{(n_layers,)} for a float8_e4m3fn cache."
         )
+
+
+# Remembering accepted calls. check_arrays and validation read the static arguments, each
+# array's type (and a NumPy array's strides), shape and dtype, and kv's and the outputs'
+# device; in Python that costs as much host time as a decode-size launch.
+# :func:`call_signature` is all of that as one hashable key, and every entry point that
+# skips checking a call again keys on it, so a check added there reads nothing the key
+# does not hold. What depends on addresses (check_output_buffers) is not remembered: its
+# callers run it on every call.
+_ACCEPTED_CALLS: dict[tuple, AcceptedCall] = {}
+_MAX_ACCEPTED_CALLS = 4096
+
+_CALL_ARRAYS = ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "k_out", "v_out")
+_CACHE_CALL_ARRAYS = _CALL_ARRAYS[:5] + ("cache_loc", "k_cache", "v_cache", "k_scale", "v_scale")
+
+
+class AcceptedCall:
+    """A call validation accepted: its sizes (``shape``), and what each backend prepared
+    to launch calls of its signature (``prepared``, by backend name: the torch backend
+    keeps its launch plan and compiled kernels there)."""
+
+    __slots__ = ("shape", "prepared")
+
+    def __init__(self, shape: CallShape):
+        self.shape = shape
+        self.prepared: dict = {}
+
+
+def _signature_reader(kind: type):
+    """What of an object of type ``kind`` a call's signature holds: for an array its shape,
+    dtype and device, the device as cheaply as it decides :func:`device_name` (a torch
+    tensor's ``torch.device``; a jax array's sharding, None for a tracer, which has no
+    device either; a NumPy array's strides instead, as it is always on the host and
+    :func:`check_arrays` reads them; else the name). Nothing for what is not an array,
+    which :func:`check_arrays` refuses before anything else is read."""
+    framework = framework_of_type(kind)
+    if framework is None:
+        return lambda value: None
+    if framework == "torch":
+        return operator.attrgetter("shape", "dtype", "device")
+    if framework == "numpy":
+        return operator.attrgetter("shape", "dtype", "strides")
+    if framework == "jax":
+        return lambda array: (array.shape, array.dtype, getattr(array, "sharding", None))
+    return lambda array: (getattr(array, "shape", None), getattr(array, "dtype", None), device_name(array))
+
+
+_SIGNATURE_READERS: dict[type, object] = {}
+
+
+def call_signature(kind: str, takes: str | None, arrays, num_kv_heads, head_dim, rotary_dim, rope_style) -> tuple:
+    """What checking a call reads of it, as a key: ``kind`` (``'call'`` or ``'cache'``),
+    which arrays the entry point takes (``takes``, as for :func:`check_arrays`), the
+    static arguments with their types (``2.0 == 2``, yet one is refused), and every
+    argument's type, then an array's shape, dtype and device (None where an optional
+    one is left out). Reads no attribute of an argument that is not an array.
+
+    Hashing it raises ``TypeError`` for an unhashable argument, which validation refuses.
+    """
+    signature = [kind, takes, type(num_kv_heads), num_kv_heads, type(head_dim), head_dim, type(rotary_dim),
+                 rotary_dim, type(rope_style), rope_style]
+    for array in arrays:
+        if array is None:
+            signature.append(None)
+            continue
+        array_type = type(array)
+        reader = _SIGNATURE_READERS.get(array_type)
+        if reader is None:
+            reader = _SIGNATURE_READERS[array_type] = _signature_reader(array_type)
+        signature.append(array_type)
+        signature.append(reader(array))
+    return tuple(signature)
+
+
+def _remembered(signature: tuple | None) -> AcceptedCall | None:
+    try:
+        return _ACCEPTED_CALLS.get(signature)
+    except TypeError:  # an unhashable argument, which validation refuses
+        return None
+
+
+def _remember(signature: tuple | None, call: CallShape) -> AcceptedCall:
+    accepted = AcceptedCall(call)
+    if signature is not None:
+        if len(_ACCEPTED_CALLS) >= _MAX_ACCEPTED_CALLS:
+            _ACCEPTED_CALLS.clear()
+        try:
+            _ACCEPTED_CALLS[signature] = accepted
+        except TypeError:  # unhashable, yet accepted: validated again on every call
+            pass
+    return accepted
+
+
+def accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, *, num_kv_heads: int,
+                head_dim: int, rotary_dim: int, rope_style: str = "neox", takes: str | None = None,
+                remember: bool = True) -> AcceptedCall:
+    """:func:`check_arrays` (``takes``: which arrays the entry point takes; None where the
+    caller checks them itself) and :func:`validate_call` without ``check_buffers``, once
+    per :func:`call_signature`: a call whose signature passed before is not checked again;
+    one that fails raises every time. Run :func:`check_output_buffers` after it, on every
+    call. ``remember=False`` checks without remembering (traced calls: torch.compile)."""
+    arrays = (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out)
+    signature = None
+    if remember:
+        signature = call_signature("call", takes, arrays, num_kv_heads, head_dim, rotary_dim, rope_style)
+        accepted = _remembered(signature)
+        if accepted is not None:
+            return accepted
+    if takes is not None:
+        check_arrays(zip(_CALL_ARRAYS, arrays), takes)
+    return _remember(signature, validate_call(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        rotary_dim=rotary_dim, rope_style=rope_style, k_out=k_out, v_out=v_out, check_buffers=False))
+
+
+def accept_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale,
+                      v_scale, *, num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str = "neox",
+                      takes: str | None = None, remember: bool = True) -> AcceptedCall:
+    """:func:`accept_call` for :func:`validate_cache_call`."""
+    arrays = (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale, v_scale)
+    signature = None
+    if remember:
+        signature = call_signature("cache", takes, arrays, num_kv_heads, head_dim, rotary_dim, rope_style)
+        accepted = _remembered(signature)
+        if accepted is not None:
+            return accepted
+    if takes is not None:
+        check_arrays(zip(_CACHE_CALL_ARRAYS, arrays), takes)
+    return _remember(signature, validate_cache_call(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
+        k_scale=k_scale, v_scale=v_scale, check_buffers=False))

@@ -87,8 +87,8 @@ def test_auto_picks_the_callers_own_backend(monkeypatch):
     seen = []
     for name in ("torch", "jax"):
         module = interop.dispatch.load_backend(name)
-        real = module.fused_kv_norm_rope
-        monkeypatch.setattr(module, "fused_kv_norm_rope",
+        real = module.fused_kv_norm_rope_validated
+        monkeypatch.setattr(module, "fused_kv_norm_rope_validated",
                             lambda *a, _real=real, _name=name, **k: seen.append(_name) or _real(*a, **k))
     inputs = _inputs(seed=8)
     interop.fused_kv_norm_rope(*(_as_caller(a, "jax") for a in inputs.arrays()), **STATIC)
@@ -102,13 +102,13 @@ def test_contiguous_inputs_cross_without_a_copy(monkeypatch, caller, backend):
     module = interop.dispatch.load_backend(backend)
     received = {}
 
-    def spy(kv, k_norm_weight, eps, cos_sin_cache, positions, **kwargs):
+    def spy(accepted, kv, k_norm_weight, eps, cos_sin_cache, positions, **kwargs):
         received.update(kv=_pointer(kv), weight=_pointer(k_norm_weight),
                         cache=_pointer(cos_sin_cache), positions=_pointer(positions))
-        return module_real(kv, k_norm_weight, eps, cos_sin_cache, positions, **kwargs)
+        return module_real(accepted, kv, k_norm_weight, eps, cos_sin_cache, positions, **kwargs)
 
-    module_real = module.fused_kv_norm_rope
-    monkeypatch.setattr(module, "fused_kv_norm_rope", spy)
+    module_real = module.fused_kv_norm_rope_validated
+    monkeypatch.setattr(module, "fused_kv_norm_rope_validated", spy)
     args = [_as_caller(a, caller) for a in _inputs(seed=9).arrays()]
     interop.fused_kv_norm_rope(*args, **STATIC, backend=backend)
     assert received == dict(kv=_pointer(args[0]), weight=_pointer(args[1]),
@@ -217,6 +217,23 @@ def test_gpu_torch_work_still_queued_is_finished_before_jax_reads():
     assert_bit_exact(v, v_ref)
 
 
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_torch_writes_to_a_kept_weight_are_finished_before_jax_reads():
+    inputs = _inputs(**GPU_CASE)
+    args = [_as_caller(a, "torch") for a in inputs.arrays()]
+    interop.fused_kv_norm_rope(*args, **STATIC, backend="jax")  # the weights' crossings are kept
+    new_weight = _inputs(seed=22, n_layers=GPU_CASE["n_layers"]).k_norm_weight
+    source = to_torch(new_weight).to(DEVICE)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # about 50 ms of a busy stream
+    args[1].copy_(source)  # queued behind the sleep: the kept jax array sees it only then
+    k, v = interop.fused_kv_norm_rope(*args, **STATIC, backend="jax")
+    k_ref, v_ref = fused_kv_norm_rope_reference(inputs.kv, new_weight, *inputs.arrays()[2:], **STATIC)
+    assert_close(k, k_ref)
+    assert_bit_exact(v, v_ref)
+
+
 @jax.jit
 def _late_copy(kv, weight):
     """``kv`` again, but only after about 2 TFLOP of fp32 matrix products on jax's stream."""
@@ -239,6 +256,34 @@ def test_gpu_jax_work_still_queued_is_finished_before_torch_reads():
     assert_bit_exact(v, v_ref)
 
 
+def test_lasting_torch_inputs_cross_to_jax_once_and_in_place_writes_are_seen(monkeypatch):
+    inputs = _inputs(seed=23)
+    args = [_as_caller(a, "torch") for a in inputs.arrays()]
+    interop.fused_kv_norm_rope(*args, **STATIC, backend="jax")
+    imported = []
+    real = jax.dlpack.from_dlpack
+    monkeypatch.setattr(jax.dlpack, "from_dlpack", lambda array, *a, **k: imported.append(array) or real(array, *a, **k))
+    new_weight = _inputs(seed=24).k_norm_weight
+    args[1].copy_(to_torch(new_weight))
+    k, v = interop.fused_kv_norm_rope(*args, **STATIC, backend="jax")
+    assert len(imported) == 2  # kv and positions; the weights, eps and the cos/sin table were kept
+    k_ref, v_ref = fused_kv_norm_rope_reference(inputs.kv, new_weight, *inputs.arrays()[2:], **STATIC)
+    assert_close(k, k_ref)
+    assert_bit_exact(v, v_ref)
+
+
+def test_a_kept_crossing_is_dropped_with_its_tensor():
+    from interop.exchange import _KEPT_FOR_JAX
+
+    inputs = _inputs(seed=25)
+    args = [_as_caller(a, "torch") for a in inputs.arrays()]
+    interop.fused_kv_norm_rope(*args, **STATIC, backend="jax")
+    kept = len(_KEPT_FOR_JAX._by_id)
+    assert _KEPT_FOR_JAX.get(args[3]) is not None
+    del args[3]
+    assert len(_KEPT_FOR_JAX._by_id) == kept - 1
+
+
 def test_a_call_that_passed_before_does_not_let_a_bad_one_through():
     inputs = _inputs(seed=14)
     args = [_as_caller(a, "torch") for a in inputs.arrays()]
@@ -257,7 +302,8 @@ def _refused_before_any_backend_runs(monkeypatch, error, message, *args, **kwarg
     ran = []
     for name in ("torch", "jax"):
         module = interop.dispatch.load_backend(name)
-        monkeypatch.setattr(module, "fused_kv_norm_rope", lambda *a, _name=name, **k: ran.append(_name))
+        for entry in ("fused_kv_norm_rope", "fused_kv_norm_rope_validated"):
+            monkeypatch.setattr(module, entry, lambda *a, _name=name, **k: ran.append(_name))
     with pytest.raises(error, match=f"^{re.escape(message)}$"):
         interop.fused_kv_norm_rope(*args, **kwargs)
     assert ran == []

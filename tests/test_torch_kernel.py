@@ -22,11 +22,11 @@ import torch
 from interop.arrays import as_numpy, numpy_dtype
 from interop.exchange import to_torch
 from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
+from interop import spec as spec_module
 from interop.spec import FusedKVConfig
 from interop.testing import assert_bit_exact, assert_close, random_inputs
 from fusedkv_torch import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_torch import kernel as kernel_module
-from fusedkv_torch import ops as ops_module
 from fusedkv_torch.kernel import launch
 from fusedkv_torch.launcher import expected_attributes, specialization_key
 
@@ -545,7 +545,8 @@ def test_repeated_eager_calls_launch_directly_for_every_alignment():
     shape = REAL.output_shape(5, total_ctx)
 
     def compiled_launches():
-        return sum(len(prepared.compiled) for prepared in ops_module._PREPARED_CALLS.values())
+        return sum(len(accepted.prepared["torch"].compiled) for accepted in spec_module._ACCEPTED_CALLS.values()
+                   if "torch" in accepted.prepared)
 
     before, counts = compiled_launches(), []
     for round_ in range(2):
