@@ -4,9 +4,9 @@ Inputs cross to the backend through DLPack (:mod:`interop.exchange` says what is
 zero-copy and what is not), and results cross back, all arrays of a crossing at once
 (:func:`interop.exchange.cross`): the consumer's stream waits for the work queued on
 the producer's, on the device, never on the host (torch to jax: one event for all the
-arrays; jax to torch: each buffer's own ready event, as jax offers no other). The
-weights, eps and the cos/sin table crossing from torch to jax are kept from call to
-call while their tensors live.
+arrays; jax to torch: each buffer's own ready event, as jax offers no other). Every
+input crosses on every call: keeping the weights' crossings from call to call gave
+wrong K on the H200 when torch rewrote a kept weight in place (2026-12-01).
 
 Given ``k_out``/``v_out`` and where they are written:
 
@@ -114,15 +114,12 @@ def fused_kv_norm_rope(
     if chosen == "torch" and caller == "numpy" and _torch_on_gpu():
         raise ValueError("NumPy arrays live on the host and the Triton kernel runs on the GPU "
                          "here: pass torch CUDA tensors, or use backend='jax'.")
-    inputs = cross((kv, k_norm_weight, eps, cos_sin_cache, positions), chosen, lasting=_LASTING)
+    inputs = cross((kv, k_norm_weight, eps, cos_sin_cache, positions), chosen)
     in_place = {name: to_framework(out, chosen) for name, out in outputs if _written_in_place(out, chosen)}
     # Validated above on the caller's arrays, whose shapes, dtypes and devices crossing keeps.
     results = module.fused_kv_norm_rope_validated(accepted, *inputs, **in_place)
     return _deliver((k_out, v_out), results, caller, chosen)
 
-
-# Which inputs stay the same from call to call (the weights, eps, the cos/sin table).
-_LASTING = (False, True, True, True, False)
 
 
 @functools.cache
