@@ -1,6 +1,7 @@
 """Calls remembered as validated (interop.spec.accept_call): the one call signature that every
 entry point keys on holds everything validation reads, so no changed call skips a check."""
 
+import os
 import re
 
 import numpy as np
@@ -37,8 +38,12 @@ def _host_call():
     return dict(arrays, k_out=np.zeros(OUT_SHAPE, bf16), v_out=np.zeros(OUT_SHAPE, bf16))
 
 
+# Where the torch kernel runs in this process: the GPU, unless Triton interprets.
+TORCH_DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+
+
 def _as_torch(array):
-    return to_torch(array).clone()
+    return to_torch(array).clone().to(TORCH_DEVICE)
 
 
 def _as_jax(array):
