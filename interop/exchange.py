@@ -26,14 +26,12 @@ jax's stream for external buffers wait once, for one event on torch's current st
 and are then exported without a handshake of their own (DLPack's ``stream=-1``); jax
 arrays going to torch are exported with torch's current stream looked up once (jax has
 no stream-wide event to wait for: each buffer carries its own, waited for on the
-device, never on the host). Arrays that do not change between calls (the weights, eps,
-the cos/sin table) can be crossed to jax once and kept (:func:`cross`'s ``lasting``).
+device, never on the host).
 """
 
 from __future__ import annotations
 
 import importlib
-import weakref
 from typing import Sequence
 
 import numpy as np
@@ -133,22 +131,16 @@ def to_caller(array, caller: str):
     return importlib.import_module(caller).from_dlpack(array)
 
 
-def cross(arrays: Sequence, framework: str, *, lasting: Sequence[bool] = ()) -> list:
+def cross(arrays: Sequence, framework: str) -> list:
     """``[to_framework(a, framework) for a in arrays]`` (None stays None), with one stream
-    handshake for the whole crossing (module docstring).
-
-    ``lasting``: per array, whether it stays the same between calls (weights, eps, the
-    cos/sin table). A lasting torch tensor crossed to jax without a copy is kept, and
-    crossed again only once its memory or layout changes or it is freed. Its jax array
-    aliases the tensor, so in-place writes are seen; they are ordered before the
-    kernel because the kernel also reads a freshly crossed array (kv), which jax
-    makes wait for the handshake, and a kept one is used only beside such an array.
-    """
+    handshake for the whole crossing (module docstring). Every array crosses on every
+    call: a jax array kept over a torch tensor from an earlier call read stale values on
+    the H200 when torch rewrote the tensor in place (2026-12-01)."""
     if all(array is None or framework_of(array) == framework for array in arrays):
         return list(arrays)
     if framework == "torch":
         return _cross_to_torch(arrays)
-    return _cross_to_jax(arrays, lasting)
+    return _cross_to_jax(arrays)
 
 
 def _cross_to_torch(arrays) -> list:
@@ -175,36 +167,20 @@ def _cross_to_torch(arrays) -> list:
 _DLPACK_GPU_DEVICES = (2, 10)  # kDLCUDA, kDLROCM
 
 
-def _cross_to_jax(arrays, lasting) -> list:
+def _cross_to_jax(arrays) -> list:
     import jax
 
     crossed = [None] * len(arrays)
-    fresh = []  # (index, tensor made ready for jax) of the torch tensors crossed now
-    kept = []  # (index, tensor) of the lasting ones
+    fresh = []  # (index, tensor made ready for jax) of the torch tensors
     for index, array in enumerate(arrays):
-        kind = framework_of(array)
-        if kind == "torch" and index < len(lasting) and lasting[index]:
-            kept.append((index, array))
-        elif kind == "torch":
+        if framework_of(array) == "torch":
             fresh.append((index, _torch_for_jax(array)))
         elif array is not None:
             crossed[index] = to_jax(array)
-    # A kept crossing is ordered through a fresh one on its device (the docstring's kv).
-    fresh_devices = {tensor.device for _, tensor in fresh}
-    to_keep = []
-    for index, tensor in kept:
-        jax_array = _KEPT_FOR_JAX.get(tensor) if tensor.device in fresh_devices else None
-        if jax_array is None:
-            fresh.append((index, _torch_for_jax(tensor)))
-            fresh_devices.add(tensor.device)
-            to_keep.append((index, tensor))
-        else:
-            crossed[index] = jax_array
-    ordered = all(_order_jax_after_torch(device) for device in fresh_devices if device.type == "cuda")
+    devices = {tensor.device for _, tensor in fresh}
+    ordered = all(_order_jax_after_torch(device) for device in devices if device.type == "cuda")
     for index, tensor in fresh:
         crossed[index] = jax.dlpack.from_dlpack(_HandshakeDone(tensor) if ordered else tensor)
-    for index, tensor in to_keep:
-        _KEPT_FOR_JAX.keep(tensor, crossed[index])
     return crossed
 
 
@@ -266,44 +242,6 @@ def _torch_stream(pointer: int, index: int):
 
         stream = _TORCH_STREAMS[(pointer, index)] = torch.cuda.ExternalStream(pointer, device=index)
     return stream
-
-
-class _KeptCrossings:
-    """jax arrays over lasting torch tensors, by the tensor's identity, with the layout
-    they were made for; an entry goes when its tensor is freed."""
-
-    _MAX_KEPT = 64
-
-    def __init__(self):
-        self._by_id: dict[int, tuple] = {}
-
-    @staticmethod
-    def _layout(tensor) -> tuple:
-        return tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype, tensor.device
-
-    def get(self, tensor):
-        entry = self._by_id.get(id(tensor))
-        if entry is None:
-            return None
-        reference, layout, jax_array = entry
-        if reference() is not tensor or layout != self._layout(tensor):
-            return None
-        return jax_array
-
-    def keep(self, tensor, jax_array) -> None:
-        """Keep ``jax_array`` for ``tensor`` if it aliases the tensor's memory (a copy, made
-        for a 64-bit dtype or an unaligned host buffer, would miss later writes)."""
-        if tensor.element_size() == 8 or jax_array.unsafe_buffer_pointer() != tensor.data_ptr():
-            return
-        if len(self._by_id) >= self._MAX_KEPT:
-            self._by_id.clear()
-        key = id(tensor)
-        by_id = self._by_id
-        reference = weakref.ref(tensor, lambda _, key=key: by_id.pop(key, None))
-        by_id[key] = (reference, self._layout(tensor), jax_array)
-
-
-_KEPT_FOR_JAX = _KeptCrossings()
 
 
 def _to_numpy(array) -> np.ndarray:
