@@ -358,7 +358,7 @@ def _pallas_launch(kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_de
     )(*inputs)
 
 
-def _on_cpu(kv) -> bool:
+def on_cpu(kv) -> bool:
     """Whether ``kv`` lives on the CPU; NumPy input and jit tracers have no device of their
     own, so the default backend decides."""
     try:
@@ -458,7 +458,7 @@ def fused_kv_norm_rope_validated(accepted: AcceptedCall, kv, k_norm_weight, eps,
     those checks are not run again. ``interop``'s and :func:`fused_kv_norm_rope`'s own path;
     the public function checks everything."""
     call = accepted.shape
-    interpret = _on_cpu(kv) if interpret is None else interpret
+    interpret = on_cpu(kv) if interpret is None else interpret
     tile = default_tile(call.total_ctx, call.n_layers, call.config.num_kv_heads, call.config.head_dim,
                         rotary_dim=call.config.rotary_dim, rope_style=call.config.rope_style,
                         block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps,
@@ -569,7 +569,7 @@ def fused_kv_norm_rope_into_cache(
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
     ).shape
     check_output_buffers(given_kv, caches)
-    interpret = _on_cpu(kv) if interpret is None else interpret
+    interpret = on_cpu(kv) if interpret is None else interpret
     tile = default_tile(call.total_ctx, call.n_layers, call.config.num_kv_heads, call.config.head_dim,
                         rotary_dim=call.config.rotary_dim, rope_style=call.config.rope_style,
                         block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps,

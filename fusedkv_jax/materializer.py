@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from fusedkv_jax.kernel import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
+from fusedkv_jax.kernel import on_cpu, fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from interop.exchange import narrow_for_jax
 from interop.materializer_spec import LayerKV, validate_layers, validate_materialize
 from interop.spec import check_output_buffers
@@ -95,7 +95,7 @@ class FusedKVMaterializer:
         """
         validate_materialize(ctx_hidden, self.config, max_position, accepted="jax",
                              arrays=(("positions", positions),))
-        return _materialize(self, ctx_hidden, narrow_for_jax(positions))
+        return _materialize(self, ctx_hidden, narrow_for_jax(positions), interpret=on_cpu(ctx_hidden))
 
     def materialize_layers(
         self,
@@ -159,7 +159,7 @@ class FusedKVMaterializer:
         check_output_buffers(None, caches)
         return _materialize_into_cache(
             self, ctx_hidden, narrow_for_jax(positions),
-            narrow_for_jax(cache_loc), k_cache, v_cache, k_scale, v_scale)
+            narrow_for_jax(cache_loc), k_cache, v_cache, k_scale, v_scale, interpret=on_cpu(ctx_hidden))
 
 
 @jax.jit
@@ -174,15 +174,17 @@ def _op_arrays(materializer: FusedKVMaterializer, ctx_hidden: jax.Array, positio
             materializer.cos_sin_cache, positions)
 
 
-@jax.jit
-def _materialize(materializer, ctx_hidden, positions):
+# ``interpret`` is decided before jit, from where ``ctx_hidden`` lives: inside, the kernel
+# sees tracers, which have no device, and would follow the default backend instead.
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _materialize(materializer, ctx_hidden, positions, *, interpret):
     return fused_kv_norm_rope(*_op_arrays(materializer, ctx_hidden, positions),
-                              **materializer.config.op_kwargs())
+                              **materializer.config.op_kwargs(), interpret=interpret)
 
 
-@functools.partial(jax.jit, donate_argnames=("k_cache", "v_cache"))
+@functools.partial(jax.jit, donate_argnames=("k_cache", "v_cache"), static_argnames=("interpret",))
 def _materialize_into_cache(materializer, ctx_hidden, positions, cache_loc, k_cache, v_cache,
-                            k_scale, v_scale):
+                            k_scale, v_scale, *, interpret):
     return fused_kv_norm_rope_into_cache(
         *_op_arrays(materializer, ctx_hidden, positions), cache_loc, k_cache, v_cache,
-        **materializer.config.op_kwargs(), k_scale=k_scale, v_scale=v_scale)
+        **materializer.config.op_kwargs(), k_scale=k_scale, v_scale=v_scale, interpret=interpret)

@@ -110,6 +110,19 @@ def special_values(dtype: str) -> np.ndarray:
     return np.array(bits, width).view(numpy_dtype(dtype))
 
 
+def cpu_scatter_changes_bits(values: np.ndarray) -> bool:
+    """Whether an XLA scatter on the CPU, the store of Pallas interpret mode, writes other
+    bits than ``values``."""
+    import jax
+
+    cpu = jax.devices("cpu")[0]
+    target = jax.device_put(np.zeros_like(values), cpu)
+    indices = jax.device_put(np.arange(values.size), cpu)
+    stored = jax.jit(lambda t, i, x: t.at[i].set(x, mode="drop"))(target, indices, jax.device_put(values, cpu))
+    unsigned = np.dtype(f"uint{8 * values.itemsize}")
+    return not np.array_equal(np.asarray(stored).view(unsigned), values.view(unsigned))
+
+
 EDGE = {style: FusedKVConfig(2, 32, 16, style) for style in ("neox", "gptj")}
 
 
@@ -153,9 +166,10 @@ class TestOp:
     @ieee_edge
     @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
     def test_nan_and_inf_in_v_pass_through_bit_for_bit(self, backend, dtype, request):
-        if backend.name == "jax" and backend.interpret and dtype == "bfloat16":
+        if backend.name == "jax" and backend.interpret and cpu_scatter_changes_bits(special_values(dtype)):
             # Interpret mode stores through an XLA scatter, which on the CPU quiets bf16 NaNs and
-            # drops their payloads (sign kept); the GPU kernel stores the bits as loaded.
+            # drops their payloads (sign kept) in some jax versions; the GPU kernel stores the
+            # bits as loaded.
             request.applymarker(pytest.mark.xfail(strict=True, reason="XLA:CPU's bf16 scatter canonicalizes "
                                                                       "NaN payloads"))
         config, inputs = edge_inputs("neox", dtype)
