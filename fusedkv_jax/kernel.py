@@ -81,6 +81,11 @@ _RUN_ELEMENTS_PER_THREAD = {"neox": 4, "gptj": 16}
 # Below this many programs per multiprocessor a short context leaves the GPU idle, so
 # smaller token blocks are taken instead.
 _MIN_PROGRAMS_PER_MULTIPROCESSOR = 2
+# Up to this many programs per multiprocessor all start at once (one wave): the call then
+# takes about one program's latency, which fewer threads with twice the loads each in
+# flight shorten. On the H200 (2026-12-01, in jit, draft shape, 256 tokens: 1280
+# programs) 2 warps took 3.0-3.4 us against 3.5-4.0 for 4 (BENCHMARKS.md).
+_ONE_WAVE_PROGRAMS_PER_MULTIPROCESSOR = 16
 # Interpret mode runs the grid as a loop that pays per program in proportion to the
 # arrays' size: a CPU run proves logic, not tiles, so it takes tiles of up to this many
 # K elements (5 layers, 8 heads of 128, 2048 tokens: 0.67 s a call against 40 s or more).
@@ -272,6 +277,8 @@ def default_tile(total_ctx: int, n_layers: int, num_kv_heads: int, head_dim: int
             # Too few programs to fill the GPU: spread each over more threads so more
             # loads are in flight at once.
             run_elements_per_thread = max(1, run_elements_per_thread // 2)
+        elif not interpret and programs(block_tokens) <= _ONE_WAVE_PROGRAMS_PER_MULTIPROCESSOR * _multiprocessors():
+            run_elements_per_thread *= 2
         num_warps = min(8, max(1, block_tokens * block_heads * run // (32 * run_elements_per_thread)))
     return block_tokens, block_heads, num_warps
 
