@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 import torch
 
 _INT32_END = 2**31
+_MAX_INTEGER_KEYS = 1024
 
 
 def specialization_key(addresses: Sequence[Optional[int]], ints: Sequence[int]) -> tuple:
@@ -37,8 +38,15 @@ def specialization_key(addresses: Sequence[Optional[int]], ints: Sequence[int]) 
     ``ints`` on, or finer, never coarser: the low four bits of every address; integers
     below 16 as they are, others up to 32 bits by their remainder modulo 16 (marked 16
     and up, so apart from the small ones), wider ones as they are."""
-    return (*[address & 15 for address in addresses if address is not None],
-            *[value if value < 16 else 16 | value & 15 if value < _INT32_END else value for value in ints])
+    return (*_address_key(addresses), *_integer_key(ints))
+
+
+def _address_key(addresses: Sequence[Optional[int]]) -> list:
+    return [address & 15 for address in addresses if address is not None]
+
+
+def _integer_key(ints: Sequence[int]) -> list:
+    return [value if value < 16 else 16 | value & 15 if value < _INT32_END else value for value in ints]
 
 
 def expected_attributes(addresses: Sequence[Optional[int]], plain_ints: Sequence[int],
@@ -66,9 +74,12 @@ class DirectLauncher:
         self.direct = not self.interpreted
         self._runtime_knobs = knobs.runtime
         self._by_signature: dict[tuple, dict] = {}
+        # The integers' part of the key, by the integers: a caller's strides take few
+        # values, and the key costs more host time than looking it up.
+        self._integer_keys: dict[tuple, tuple] = {}
 
     def __call__(self, grid: int, tensors: Sequence[Optional[torch.Tensor]], plain_ints: Sequence[int],
-                 ints: Sequence[int], constexprs: tuple, *, num_warps: int, launch_pdl: bool = False,
+                 ints: tuple, constexprs: tuple, *, num_warps: int, launch_pdl: bool = False,
                  compiled: Optional[dict] = None) -> None:
         """Launch ``grid`` programs.
 
@@ -84,7 +95,12 @@ class DirectLauncher:
                              *[None if tensor is None else (tensor.dtype, tensor.get_device()) for tensor in tensors])
                 compiled = self._by_signature.setdefault(signature, {})
             addresses = [None if tensor is None else tensor.data_ptr() for tensor in tensors]
-            key = (torch.cuda.current_device(), specialization_key(addresses, ints))
+            integer_key = self._integer_keys.get(ints)
+            if integer_key is None:
+                if len(self._integer_keys) >= _MAX_INTEGER_KEYS:
+                    self._integer_keys.clear()
+                integer_key = self._integer_keys[ints] = tuple(_integer_key(ints))
+            key = (torch.cuda.current_device(), *_address_key(addresses), *integer_key)
             kernel = compiled.get(key)
             if kernel is not None:
                 kernel[(grid, 1, 1)](*addresses, *plain_ints, *ints, *constexprs)

@@ -666,33 +666,32 @@ def accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, 
     per :func:`call_signature`: a call whose signature passed before is not checked again;
     one that fails raises every time. Run :func:`check_output_buffers` after it, on every
     call. ``remember=False`` checks without remembering (traced calls: torch.compile)."""
-    static = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style)
-    return _accept("call", _CALL_ARRAYS, (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out),
-                   static, takes, remember,
-                   lambda: validate_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=k_out,
-                                         v_out=v_out, check_buffers=False, **static))
+    arrays = (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out)
+    signature = call_signature("call", takes, arrays, num_kv_heads, head_dim, rotary_dim,
+                               rope_style) if remember else None
+    accepted = _remembered(signature)
+    if accepted is not None:
+        return accepted
+    if takes is not None:
+        check_arrays(zip(_CALL_ARRAYS, arrays), takes)
+    return _remember(signature, validate_call(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=k_out, v_out=v_out, check_buffers=False,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style))
 
 
 def accept_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale,
                       v_scale, *, num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str = "neox",
                       takes: str | None = None, remember: bool = True) -> AcceptedCall:
     """:func:`accept_call` for :func:`validate_cache_call`."""
-    static = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style)
     arrays = (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale, v_scale)
-    return _accept("cache", _CACHE_CALL_ARRAYS, arrays, static, takes, remember,
-                   lambda: validate_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc,
-                                               k_cache, v_cache, k_scale=k_scale, v_scale=v_scale,
-                                               check_buffers=False, **static))
-
-
-def _accept(kind: str, names, arrays, static: dict, takes, remember: bool, validate) -> AcceptedCall:
-    """The remembered call of this signature, or ``validate()`` (after ``check_arrays``) remembered."""
-    signature = None
-    if remember:
-        signature = call_signature(kind, takes, arrays, *static.values())
-        accepted = _remembered(signature)
-        if accepted is not None:
-            return accepted
+    signature = call_signature("cache", takes, arrays, num_kv_heads, head_dim, rotary_dim,
+                               rope_style) if remember else None
+    accepted = _remembered(signature)
+    if accepted is not None:
+        return accepted
     if takes is not None:
-        check_arrays(zip(names, arrays), takes)
-    return _remember(signature, validate())
+        check_arrays(zip(_CACHE_CALL_ARRAYS, arrays), takes)
+    return _remember(signature, validate_cache_call(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale=k_scale,
+        v_scale=v_scale, check_buffers=False, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        rotary_dim=rotary_dim, rope_style=rope_style))
