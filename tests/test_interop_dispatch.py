@@ -122,6 +122,21 @@ def test_results_cross_back_without_a_copy():
     assert to_jax(tensor).unsafe_buffer_pointer() == tensor.data_ptr()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "int32", "float8_e4m3fn", "float64", "int64"])
+def test_a_crossing_to_jax_gives_what_jax_dlpack_from_dlpack_gives(dtype):
+    from interop import exchange
+
+    tensor = (torch.arange(24, device=DEVICE) - 12).to(getattr(torch, dtype)).reshape(2, 12)
+    (crossed,) = exchange.cross([tensor], "jax")
+    # What jax's own import makes of the tensor as a crossing prepares it (int64 saturated).
+    expected = jax.dlpack.from_dlpack(exchange._torch_for_jax(tensor))
+    assert (crossed.dtype, crossed.shape, crossed.devices()) == (expected.dtype, expected.shape, expected.devices())
+    assert_bit_exact(crossed, as_numpy(expected))
+    if tensor.element_size() <= 4:  # jaxlib's import, which every supported jax offers, served it
+        assert exchange._IMPORT_BUFFER is not None
+        assert crossed.unsafe_buffer_pointer() == tensor.data_ptr()
+
+
 def test_column_sliced_kv_view_reaches_jax_correctly():
     inputs = _inputs(seed=10)
     workspace = torch.zeros(5, 2, 2 * 2 * 32 + 16, dtype=torch.bfloat16, device=DEVICE)
