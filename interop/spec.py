@@ -640,6 +640,8 @@ def call_signature(kind: str, takes: str | None, arrays, num_kv_heads, head_dim,
 
 
 def _remembered(signature: tuple | None) -> AcceptedCall | None:
+    if signature is None:  # not to be remembered (traced calls, which dynamo must not see look up)
+        return None
     try:
         return _ACCEPTED_CALLS.get(signature)
     except TypeError:  # an unhashable argument, which validation refuses
