@@ -431,6 +431,28 @@ def test_a_kernel_the_jit_does_not_launch_once_per_call_fails_and_is_not_timed()
     assert twice.seconds is None
 
 
+def test_the_floor_rows_copy_k_and_v_bit_for_bit_and_are_timed():
+    pytest.importorskip("jax")
+    floors = [BY_NAME["pallas-floor"], BY_NAME["pallas-floor-cos-sin"]]
+    for measurement in run(plan([TINY], [5], floors), dtype="bfloat16", framework="jax", effort=ONCE):
+        assert measurement.kind == "floor" and not measurement.does_op
+        assert measurement.check == "ok" and measurement.seconds is not None
+
+
+def test_the_floor_check_fails_outputs_that_are_not_k_and_v():
+    jnp = pytest.importorskip("jax.numpy")
+    from interop.bench.floors import copy_verdict
+
+    config = TINY.config
+    kv = jnp.asarray(random_inputs(config, n_layers=2, total_ctx=5, max_position=64).kv)
+    halves = kv.reshape(5, 2, 2, config.num_kv_heads, config.head_dim).transpose(2, 1, 0, 3, 4)
+    static = dict(num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+    assert copy_verdict((halves[0], halves[1]), kv, **static) == "ok"
+    assert copy_verdict((halves[1], halves[0]), kv, **static).startswith("FAIL: ")
+    assert copy_verdict((halves[0], halves[1].at[1, 4, 0, 3].add(1)), kv, **static) == \
+        "FAIL: 1 elements differ from kv"
+
+
 def test_the_mosaic_row_checks_and_times_the_kernel_where_mosaic_takes_the_shape():
     pytest.importorskip("jax")
     from interop.bench.runner import measure

@@ -7,6 +7,9 @@ Kinds:
 * ``baseline``: the op as a model author would write it (eager PyTorch, ``torch.compile``,
   jnp under ``jax.jit``); the fastest is the speed-up column's yardstick;
 * ``copy``: a device copy of the op's bytes in the same framework, the ceiling;
+* ``floor``: the Pallas kernel's data movement alone, in its own form
+  (:mod:`interop.bench.floors`): ``pallas-floor`` copies K and V unchanged,
+  ``pallas-floor-cos-sin`` also loads the cos/sin rows;
 * ``materializer``: the materializers' GEMM alone, and the GEMM and the op end to end;
 * ``interop``: the backend-neutral call, in one framework and crossing between them;
 * ``host``: an eager call, timed on the host (host dispatch, not device time).
@@ -36,7 +39,7 @@ from interop.bench.workload import Workload
 from interop.exchange import to_torch
 from interop.materializer_spec import random_case
 
-KINDS = ("kernel", "baseline", "copy", "materializer", "interop", "host")
+KINDS = ("kernel", "baseline", "copy", "floor", "materializer", "interop", "host")
 # The custom call jax lowers a Mosaic GPU kernel to (jax 0.10-0.11).
 MOSAIC_GPU_TARGET = "mosaic_gpu_v2"
 
@@ -242,6 +245,23 @@ def _jnp_eager(workload: Workload) -> Calls:
     return _op_calls(workload, "jax", jitted, given_outputs=False)
 
 
+def _pallas_floor(workload: Workload, *, cos_sin: bool) -> Steps:
+    """:func:`interop.bench.floors.copy` over every input set, checked as a copy of K and V."""
+    from interop.bench import floors
+
+    config = workload.shape.config
+    static = dict(num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+
+    def step(fixed, varying, outputs):
+        kv, positions = varying
+        return tuple(floors.copy(kv, fixed[2], positions, *outputs, **static, rotary_dim=config.rotary_dim,
+                                 cos_sin=cos_sin))
+
+    steps = _op_steps(workload, step)
+    return dataclasses.replace(steps, check=lambda outputs, i: floors.copy_verdict(
+        outputs, workload.varying(i, "jax")[0], **static))
+
+
 def _torch_copy(workload: Workload) -> Calls:
     """``copy_`` of ``kv`` into a buffer of its size: the op's bytes, read and written."""
     import torch
@@ -410,6 +430,9 @@ IMPLEMENTATIONS = (
     Implementation("torch-compile", "torch", "baseline", _torch_compile, baseline=True),
     Implementation("jnp-jit", "jax", "baseline", _jnp_steps, baseline=True),
     Implementation("torch-copy", "torch", "copy", _torch_copy, does_op=False),
+    Implementation("pallas-floor", "jax", "floor", functools.partial(_pallas_floor, cos_sin=False), does_op=False),
+    Implementation("pallas-floor-cos-sin", "jax", "floor", functools.partial(_pallas_floor, cos_sin=True),
+                   does_op=False),
     Implementation("xla-copy", "jax", "copy", _xla_copy, does_op=False),
     Implementation("torch-gemm", "torch", "materializer", _torch_gemm, does_op=False),
     Implementation("torch-materializer", "torch", "materializer", _torch_materializer_calls, does_op=False),
