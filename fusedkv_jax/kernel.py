@@ -23,15 +23,15 @@ Triton-specific here is :func:`_load`, :func:`_store` and :func:`_launch`'s
 gather on Hopper: TMA copies with scalar starts fetch one cos/sin row per token). It
 takes ``neox`` with rotary halves and tail in multiples of 8 columns, and ``total_ctx``
 at most 8 or a multiple of 8 (a multiple of 64 in interpret mode); other calls with it
-are refused. It is not the default: its outputs are fresh arrays, never a caller's
-``k_out``/``v_out`` written in place (jax 0.11.2 lowers Mosaic GPU only through
-``plgpu.kernel``, which has no aliasing); it passes the reference checks on the H200,
-but its only in-jit timing (2026-12-01) was void (XLA dropped the chained calls whose
-outputs nothing read); if one call per jit survived, one call took 1.2-2.3x the
-Triton kernel's time at 4096-32768 tokens. The paged-cache entry point stays on
-Triton: its slots scatter rows to data-dependent places, which a Mosaic GPU kernel
-would do with one copy per token, and the case for moving it rests on the same
-unmeasured kernel.
+are refused. It is not the default, by measurement: it passes the reference checks on
+the H200, but timed in jit as a jit user runs it (``fusedkv bench``'s
+``pallas-mosaic`` row, which checks that the compiled jit launches it once per call)
+it took 1.2 to 8 times the Triton lowering's time from 16 to 32768 tokens in the draft
+shape (BENCHMARKS.md, 2026-12-01, fourth session). Its outputs are also fresh arrays,
+never a caller's ``k_out``/``v_out`` written in place (jax 0.11.2 lowers Mosaic GPU
+only through ``plgpu.kernel``, which has no aliasing). The paged-cache entry point
+stays on Triton: its slots scatter rows to data-dependent places, which a Mosaic GPU
+kernel would do with one copy per token, slower than the plain op it already loses to.
 
 Tiling: one program per (block of ``block_tokens`` tokens, layer, block of
 ``block_heads`` heads) works on a ``[block_tokens, block_heads, head_dim]`` tile,
@@ -492,7 +492,8 @@ LOWERINGS = ("triton", "mosaic_gpu")
 def default_lowering(config: FusedKVConfig, kv_dtype, *, interpret: bool = False) -> str:
     """The lowering :func:`fused_kv_norm_rope` takes for ``config`` when none is named.
 
-    The Triton lowering, for every configuration (module docstring, "Lowerings").
+    The Triton lowering, for every configuration: the fastest measured in jit on the H200
+    wherever Mosaic GPU takes the configuration at all (module docstring, "Lowerings").
     """
     del config, kv_dtype, interpret  # one answer today; the signature is the question
     return "triton"

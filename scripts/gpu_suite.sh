@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Everything the H200 must show, from the tree, nothing installed (device tool):
-#   bash scripts/gpu_suite.sh [PART ...]      PART: tests, check, trust, bench (default: all four)
+#   bash scripts/gpu_suite.sh [PART ...]      PART: tests, check, trust, bench, host (default: all five)
 # tests: the whole pytest suite on the GPU (property tests under their CI budget);
 # check: `fusedkv check` on five configurations; trust: scripts/gpu_trust.sh (10,000 calls
 # per entry point, memory, threads, then the property tests under the gpu budget);
-# bench: `fusedkv bench --quick` (table, CSV, JSON and plots under $LOGS/bench).
+# bench: `fusedkv bench --quick` (table, CSV, JSON and plots under $LOGS/bench);
+# host: benchmarks/host_path.py, the host cost of every eager entry point and its pieces.
 # One device call holds at most 10 minutes: run the parts as two calls when all do not fit.
 # Full logs go to $OUT (the device tool's folder) or /tmp/fusedkv-gpu; a summary comes last.
 set -uo pipefail
@@ -13,7 +14,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 LOGS=${OUT:-/tmp/fusedkv-gpu}
 mkdir -p "$LOGS"
-PARTS=${*:-tests check trust bench}
+PARTS=${*:-tests check trust bench host}
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$LOGS/device.txt"
 python3 -m interop info 2>&1 | tee -a "$LOGS/device.txt"
@@ -39,7 +40,10 @@ for part in $PARTS; do
         bench)
             python3 -m interop bench --quick --out "$LOGS/bench" 2>"$LOGS/bench.err" | tee "$LOGS/bench.log" || status=1
             summary+=("bench: exit ${PIPESTATUS[0]}, results in $LOGS/bench");;
-        *) echo "unknown part $part (expected tests, check, trust, bench)"; exit 2;;
+        host)
+            python3 benchmarks/host_path.py --calls 500 2>&1 | tee "$LOGS/host.log" | sed -n '/^## summary/,$p' || status=1
+            summary+=("host: $(grep -c 'NOT met' "$LOGS/host.log") of 5 host bars not met (table in $LOGS/host.log)");;
+        *) echo "unknown part $part (expected tests, check, trust, bench, host)"; exit 2;;
     esac
     summary+=("  ($part took $((SECONDS - start)) s)")
 done
