@@ -242,9 +242,9 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *,
     Three regimes, chosen on the H200 by graph replay of every candidate tile in
     alternated rounds beside a copy of the same bytes (BENCHMARKS.md): short contexts
     take many one-warp programs of one head and two tokens, whose loads all start at
-    once; around 256 tokens, four-token tiles of up to 8 heads; otherwise, and for long
-    contexts, one-token tiles of up to 8 heads (16 elements of K and 16 of V per
-    thread). Fewer heads per program take more tokens, for tiles of about 8 rows.
+    once; otherwise, and for long contexts, tiles of about 8 head rows: one token of 8
+    heads, two of 4, and so on (16 elements of K and 16 of V per thread); around 256
+    tokens, four times the tokens of those tiles (four tokens of 8 heads, eight of 4).
 
     ``interpret`` (``TRITON_INTERPRET=1``): few, large programs instead, of as many
     tokens as fit ``_INTERPRETED_TILE_ELEMENTS``.
@@ -265,7 +265,7 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *,
 
 # Token counts where the tile regimes of default_tile change (H200, draft shape):
 # two-token one-head tiles won up to 96 tokens and lost to one-token tiles of 8 heads at 128;
-# four-token tiles won at 256 and lost at 192 and 384.
+# four times the tokens (four-token tiles of 8 heads) won at 256 and lost at 192 and 384.
 _SHORT_CONTEXT_END = 128
 _FOUR_TOKEN_TILES = (256, 384)
 

@@ -67,8 +67,8 @@ def test_token_tiles_and_head_groups_cover_a_ragged_context(style, block_tokens,
 
 @pytest.mark.parametrize("total_ctx, tile", [(127, (2, 1)), (130, (2, 4)), (257, (8, 4))])
 def test_decode_and_mid_size_contexts_on_their_default_tiles(total_ctx, tile):
-    # Below 128 tokens two-token one-head tiles; from 256 to 384 four-token tiles of every
-    # head (4 heads: 2 rows of tokens each); between and beyond, one-token rows of every head.
+    # Below 128 tokens two-token one-head tiles; between and beyond, tiles of about 8 head rows
+    # (4 heads: 2 tokens); from 256 to 384 four times their tokens (4 heads: 8 tokens).
     # The GPU's tiles, launched by name: interpreted, a call's default is a few large tiles.
     # One layer: layers are a grid axis of their own, and the interpreter pays per program.
     config = FusedKVConfig(4, 64, 64, "gptj")
