@@ -668,32 +668,41 @@ def accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, 
     per :func:`call_signature`: a call whose signature passed before is not checked again;
     one that fails raises every time. Run :func:`check_output_buffers` after it, on every
     call. ``remember=False`` checks without remembering (traced calls: torch.compile)."""
-    arrays = (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out)
-    signature = call_signature("call", takes, arrays, num_kv_heads, head_dim, rotary_dim,
-                               rope_style) if remember else None
-    accepted = _remembered(signature)
-    if accepted is not None:
-        return accepted
-    if takes is not None:
-        check_arrays(zip(_CALL_ARRAYS, arrays), takes)
-    return _remember(signature, validate_call(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=k_out, v_out=v_out, check_buffers=False,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style))
+    return _accept("call", _CALL_ARRAYS, (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out),
+                   (num_kv_heads, head_dim, rotary_dim, rope_style), takes, remember, _validate_call)
 
 
 def accept_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale,
                       v_scale, *, num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str = "neox",
                       takes: str | None = None, remember: bool = True) -> AcceptedCall:
     """:func:`accept_call` for :func:`validate_cache_call`."""
-    arrays = (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale, v_scale)
-    signature = call_signature("cache", takes, arrays, num_kv_heads, head_dim, rotary_dim,
-                               rope_style) if remember else None
+    return _accept("cache", _CACHE_CALL_ARRAYS,
+                   (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale, v_scale),
+                   (num_kv_heads, head_dim, rotary_dim, rope_style), takes, remember, _validate_cache_call)
+
+
+def _accept(kind: str, names, arrays: tuple, static: tuple, takes, remember: bool, validate) -> AcceptedCall:
+    """The remembered call of this signature, or ``validate(*arrays, *static)`` (after
+    ``check_arrays``) remembered. Nothing is built before the lookup: it is the whole of
+    an eager call's validation."""
+    signature = call_signature(kind, takes, arrays, *static) if remember else None
     accepted = _remembered(signature)
     if accepted is not None:
         return accepted
     if takes is not None:
-        check_arrays(zip(_CACHE_CALL_ARRAYS, arrays), takes)
-    return _remember(signature, validate_cache_call(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale=k_scale,
-        v_scale=v_scale, check_buffers=False, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        rotary_dim=rotary_dim, rope_style=rope_style))
+        check_arrays(zip(names, arrays), takes)
+    return _remember(signature, validate(*arrays, *static))
+
+
+def _validate_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, num_kv_heads, head_dim,
+                   rotary_dim, rope_style) -> CallShape:
+    return validate_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=k_out, v_out=v_out,
+                         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
+                         check_buffers=False)
+
+
+def _validate_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale,
+                         v_scale, num_kv_heads, head_dim, rotary_dim, rope_style) -> CallShape:
+    return validate_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+                               k_scale=k_scale, v_scale=v_scale, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                               rotary_dim=rotary_dim, rope_style=rope_style, check_buffers=False)
