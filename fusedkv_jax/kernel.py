@@ -64,6 +64,7 @@ from interop.spec import (
     accept_call,
     check_arrays,
     check_output_buffers,
+    check_positions_in_range,
     tile_argument,
 )
 
@@ -393,6 +394,7 @@ def fused_kv_norm_rope(
     rope_style: str = "neox",
     k_out=None,
     v_out=None,
+    check_positions: bool = False,
     block_tokens: int | None = None,
     block_heads: int | None = None,
     num_warps: int | None = None,
@@ -421,15 +423,18 @@ def fused_kv_norm_rope(
       cos_sin_cache: fp32[max_pos, rotary_dim], row p = cos values then sin values.
       positions: int32/int64[total_ctx]. With x64 off jax holds int64 as int32: a host
         (NumPy) int64 array is narrowed here with out-of-range values kept out of range;
-        a jax array is already int32. There is no ``check_positions`` (the torch backend
-        has one): raising on a position would need the values on the host, which a
-        traced call does not have.
+        a jax array is already int32. A position outside ``[0, max_pos)`` gives an
+        all-NaN K row, unless ``check_positions`` raises for it.
       num_kv_heads, head_dim, rotary_dim, rope_style: static configuration (ints, a str).
       k_out, v_out: optional dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim];
         aliased to the outputs, so under ``jax.jit`` with these buffers donated the
         results are written in place (without donation XLA copies them first). One
         array given as both is refused, as are NumPy outputs the other backends would
         refuse (read-only, zero strides, memory shared with each other or ``kv``).
+      check_positions: raise ``ValueError`` for out-of-range positions, before anything is
+        launched; this waits for the positions' values on the host, so it is off by
+        default and refused under ``jax.jit`` and other transformations, where the values
+        do not exist yet.
       block_tokens, block_heads, num_warps: tile overrides (powers of two) for tuning
         the Triton lowering; :func:`default_tile` otherwise.
       interpret: run in Pallas interpret mode; None means "when ``kv`` is on the CPU".
@@ -451,10 +456,24 @@ def fused_kv_norm_rope(
     )
     # On the caller's own arrays: a NumPy array's memory is not seen once moved to jax.
     check_output_buffers(given_kv, outputs)
+    if check_positions and accepted.shape.total_ctx:
+        check_positions_in_range(*_position_range(positions), accepted.shape.max_position)
     return fused_kv_norm_rope_validated(
         accepted, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=k_out, v_out=v_out,
         block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps, interpret=interpret,
         lowering=lowering)
+
+
+def _position_range(positions) -> tuple[int, int]:
+    """The least and the greatest position, on the host (a wait for a jax array's values)."""
+    try:
+        return int(positions.min()), int(positions.max())
+    except jax.errors.ConcretizationTypeError:
+        raise ValueError(
+            "Invalid check_positions for fused KV materialization: got True on traced positions "
+            "(inside jax.jit or another transformation), expected False there (the values are not "
+            "known until the call runs; out-of-range positions give all-NaN K rows)."
+        ) from None
 
 
 def fused_kv_norm_rope_validated(accepted: AcceptedCall, kv, k_norm_weight, eps, cos_sin_cache, positions, *,

@@ -292,6 +292,19 @@ def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, to_slots: bool, 
     return grid, constexprs, num_warps or default_warps, dependent_launch
 
 
+def tuned_plan(config: FusedKVConfig, total_ctx: int, n_layers: int, to_slots: bool, quantize_k: bool,
+               quantize_v: bool, tile: tuple, dependent_launch: bool) -> tuple:
+    """The launch plan with ``tile = (block_tokens, block_heads, num_warps)`` overriding
+    :func:`default_tile` where not None, each checked (``ValueError``/``TypeError``)."""
+    block_tokens, block_heads, num_warps = tile
+    # Before the plan's cache, which would take 2.0 for 2.
+    block_tokens = None if block_tokens is None else tile_argument("block_tokens", block_tokens)
+    block_heads = None if block_heads is None else size_argument("block_heads", block_heads)
+    num_warps = None if num_warps is None else tile_argument("num_warps", num_warps)
+    return _plan(config, total_ctx, n_layers, to_slots, quantize_k, quantize_v, block_tokens, block_heads,
+                 num_warps, dependent_launch)
+
+
 _launcher = DirectLauncher(_fused_kv_norm_rope_kernel)
 
 
@@ -352,13 +365,10 @@ def launch(
     sweeps); they are the only arguments checked here. ``dependent_launch`` overrides
     :func:`supports_dependent_launch`.
     """
-    # Before the plan's cache, which would take 2.0 for 2.
-    block_tokens = None if block_tokens is None else tile_argument("block_tokens", block_tokens)
-    block_heads = None if block_heads is None else size_argument("block_heads", block_heads)
-    num_warps = None if num_warps is None else tile_argument("num_warps", num_warps)
     total_ctx, n_layers, _ = kv.shape
     if dependent_launch is None:
         dependent_launch = supports_dependent_launch(kv.device)
-    plan = _plan(config, total_ctx, n_layers, cache_loc is not None, k_scale is not None, v_scale is not None,
-                 block_tokens, block_heads, num_warps, dependent_launch)
+    plan = tuned_plan(config, total_ctx, n_layers, cache_loc is not None, k_scale is not None, v_scale is not None,
+                      (block_tokens, block_heads, num_warps), dependent_launch)
     _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dst, v_dst, cache_loc, k_scale, v_scale)
+

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from fusedkv_torch.kernel import _launch, _launcher, _plan, launch, supports_dependent_launch
+from fusedkv_torch.kernel import _launch, _launcher, launch, supports_dependent_launch, tuned_plan
 from interop.spec import (
     AcceptedCall,
     CallShape,
@@ -20,6 +20,7 @@ from interop.spec import (
     accept_cache_call,
     accept_call,
     check_output_buffers,
+    check_positions_in_range,
 )
 
 # Validation of shapes, dtypes and devices (interop.spec) costs more host time than the
@@ -34,21 +35,27 @@ from interop.spec import (
 # eager calls skip the op, whose dispatcher costs more host time than the launch.
 
 
+_NO_TILE = (None, None, None)
+
+
 class PreparedCall:
     """A call that validation accepted, with what launching it needs.
 
     ``call``: the validated sizes; ``plan``: the kernel's launch plan, None for a traced
     call (which goes through the registered op); ``compiled``: the compiled kernels of
-    this call's metadata (``DirectLauncher``'s ``compiled``). The materializer prepares
-    a call before its GEMM and launches it after.
+    this call's metadata (``DirectLauncher``'s ``compiled``; None for a tile override,
+    whose kernels the launcher keeps by their constexprs); ``tile``: the override
+    ``(block_tokens, block_heads, num_warps)``, Nones where not given. The materializer
+    prepares a call before its GEMM and launches it after.
     """
 
-    __slots__ = ("call", "plan", "compiled")
+    __slots__ = ("call", "plan", "compiled", "tile")
 
-    def __init__(self, call: CallShape, plan: Optional[tuple], compiled: Optional[dict]):
+    def __init__(self, call: CallShape, plan: Optional[tuple], compiled: Optional[dict], tile: tuple = _NO_TILE):
         self.call = call
         self.plan = plan
         self.compiled = compiled
+        self.tile = tile
 
     def launch(self, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
                check_positions: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +76,7 @@ class PreparedCall:
             config = call.config
             torch.ops.fusedkv.write_fused_kv_norm_rope(
                 kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
-                config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style)
+                config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style, *self.tile)
         else:
             _launch(self.plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, None, None, None,
                     self.compiled)
@@ -94,11 +101,18 @@ class PreparedCall:
             config = call.config
             torch.ops.fusedkv.write_fused_kv_norm_rope_into_cache(
                 kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-                config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style, k_scale, v_scale)
+                config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style, k_scale, v_scale,
+                *self.tile)
         else:
             _launch(self.plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_cache, v_cache, cache_loc,
                     k_scale, v_scale, self.compiled)
         return k_cache, v_cache
+
+
+def _tile(block_tokens, block_heads, num_warps) -> tuple:
+    if block_tokens is None and block_heads is None and num_warps is None:
+        return _NO_TILE
+    return block_tokens, block_heads, num_warps
 
 
 def _check_runnable(device: torch.device) -> None:
@@ -114,30 +128,33 @@ def _check_runnable(device: torch.device) -> None:
 
 
 def _prepared(accepted: AcceptedCall, device: torch.device, to_slots: bool, quantize_k: bool,
-              quantize_v: bool, tracing: bool) -> PreparedCall:
-    """The launch plan of an accepted call, made once per call signature."""
-    if tracing:
+              quantize_v: bool, tracing: bool, tile: tuple = _NO_TILE) -> PreparedCall:
+    """The launch plan of an accepted call, made once per call signature; with a tile
+    override (checked here, before anything is written), made for the call alone."""
+    if tracing:  # the registered op plans (and checks the tile) when it runs
         _check_runnable(device)
-        return PreparedCall(accepted.shape, None, None)
-    prepared = accepted.prepared.get("torch")
+        return PreparedCall(accepted.shape, None, None, tile)
+    prepared = None if tile is not _NO_TILE else accepted.prepared.get("torch")
     if prepared is None:
         _check_runnable(device)
         call = accepted.shape
-        plan = _plan(call.config, call.total_ctx, call.n_layers, to_slots, quantize_k, quantize_v,
-                     None, None, None, supports_dependent_launch(device))
+        plan = tuned_plan(call.config, call.total_ctx, call.n_layers, to_slots, quantize_k, quantize_v, tile,
+                          supports_dependent_launch(device))
+        if tile is not _NO_TILE:
+            return PreparedCall(call, plan, None, tile)
         prepared = accepted.prepared["torch"] = PreparedCall(call, plan, {})
     return prepared
 
 
 def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
-                 rope_style, k_out, v_out) -> PreparedCall:
+                 rope_style, k_out, v_out, tile: tuple = _NO_TILE) -> PreparedCall:
     """A :func:`fused_kv_norm_rope` call validated, ready for :meth:`PreparedCall.launch`."""
     # Traced calls skip the array kinds (dynamo traces tensors) and addresses (none yet).
     tracing = torch.compiler.is_compiling()
     accepted = accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
                            num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
                            rope_style=rope_style, takes=None if tracing else "torch", remember=not tracing)
-    prepared = _prepared(accepted, kv.device, False, False, False, tracing)
+    prepared = _prepared(accepted, kv.device, False, False, False, tracing, tile)
     if not tracing:
         check_output_buffers(kv, (("k_out", k_out), ("v_out", v_out)))
     return prepared
@@ -145,7 +162,7 @@ def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads,
 
 def prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
                        num_kv_heads, head_dim, rotary_dim, rope_style, k_scale,
-                       v_scale) -> PreparedCall:
+                       v_scale, tile: tuple = _NO_TILE) -> PreparedCall:
     """A :func:`fused_kv_norm_rope_into_cache` call validated, ready for
     :meth:`PreparedCall.launch_into_cache`."""
     tracing = torch.compiler.is_compiling()
@@ -153,7 +170,7 @@ def prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_l
                                  k_scale, v_scale, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                  rotary_dim=rotary_dim, rope_style=rope_style, takes=None if tracing else "torch",
                                  remember=not tracing)
-    prepared = _prepared(accepted, kv.device, True, k_scale is not None, v_scale is not None, tracing)
+    prepared = _prepared(accepted, kv.device, True, k_scale is not None, v_scale is not None, tracing, tile)
     if not tracing:
         check_output_buffers(kv, (("k_cache", k_cache), ("v_cache", v_cache)))
     return prepared
@@ -161,12 +178,7 @@ def prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_l
 
 def _check_positions_in_range(positions: torch.Tensor, max_position: int) -> None:
     low, high = (int(value) for value in torch.aminmax(positions))  # the one host sync
-    if low < 0 or high >= max_position:
-        raise ValueError(
-            "Invalid positions for fused KV materialization: got values outside "
-            f"[0, {max_position}) (min {low}, max {high}), expected every position in "
-            f"[0, {max_position})."
-        )
+    check_positions_in_range(low, high, max_position)
 
 
 # The registered ops: the kernel launch as torch.compile and CUDA graphs see it. A custom op
@@ -176,16 +188,19 @@ def _write_fused_kv_norm_rope(
     kv: torch.Tensor, k_norm_weight: torch.Tensor, eps: torch.Tensor, cos_sin_cache: torch.Tensor,
     positions: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
     num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str,
+    block_tokens: Optional[int] = None, block_heads: Optional[int] = None, num_warps: Optional[int] = None,
 ) -> None:
     # Traced calls are validated while tracing, when addresses are not known yet: here they are.
     check_output_buffers(kv, (("k_out", k_out), ("v_out", v_out)))
     launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
-           config=FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style))
+           config=FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style),
+           block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps)
 
 
 @_write_fused_kv_norm_rope.register_fake
 def _write_fused_kv_norm_rope_fake(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
-                                   num_kv_heads, head_dim, rotary_dim, rope_style):
+                                   num_kv_heads, head_dim, rotary_dim, rope_style, block_tokens=None,
+                                   block_heads=None, num_warps=None):
     return None
 
 
@@ -203,6 +218,9 @@ def fused_kv_norm_rope(
     k_out: Optional[torch.Tensor] = None,
     v_out: Optional[torch.Tensor] = None,
     check_positions: bool = False,
+    block_tokens: Optional[int] = None,
+    block_heads: Optional[int] = None,
+    num_warps: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm + RoPE on K, V passed through, for all layers (formula in the module docstring).
 
@@ -220,16 +238,19 @@ def fused_kv_norm_rope(
       k_out, v_out: optional dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim], any
         strides but zero (views into a bigger cache), written in place; sharing memory
         with each other or with ``kv`` is refused.
-      check_positions: raise ``ValueError`` for out-of-range positions; this syncs with
-        the device, so it is off by default and cannot be used under CUDA graph capture.
-        The torch backend's only (``fusedkv_jax`` has no host sync to raise from).
+      check_positions: raise ``ValueError`` for out-of-range positions, before anything is
+        written; this syncs with the device, so it is off by default and cannot be used
+        under CUDA graph capture.
+      block_tokens, block_heads, num_warps: tile overrides (powers of two; ``block_heads``
+        dividing ``num_kv_heads``) for tuning; :func:`fusedkv_torch.kernel.default_tile`
+        otherwise.
 
     Returns:
       ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim].
     """
     return prepare_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, rope_style,
-        k_out, v_out,
+        k_out, v_out, _tile(block_tokens, block_heads, num_warps),
     ).launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, check_positions)
 
 
@@ -249,17 +270,20 @@ def _write_fused_kv_norm_rope_into_cache(
     positions: torch.Tensor, cache_loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str,
     k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
+    block_tokens: Optional[int] = None, block_heads: Optional[int] = None, num_warps: Optional[int] = None,
 ) -> None:
     check_output_buffers(kv, (("k_cache", k_cache), ("v_cache", v_cache)))
     launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_cache, v_cache,
            config=FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style),
-           cache_loc=cache_loc, k_scale=k_scale, v_scale=v_scale)
+           cache_loc=cache_loc, k_scale=k_scale, v_scale=v_scale,
+           block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps)
 
 
 @_write_fused_kv_norm_rope_into_cache.register_fake
 def _write_fused_kv_norm_rope_into_cache_fake(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc,
                                               k_cache, v_cache, num_kv_heads, head_dim, rotary_dim,
-                                              rope_style, k_scale, v_scale):
+                                              rope_style, k_scale, v_scale, block_tokens=None, block_heads=None,
+                                              num_warps=None):
     return None
 
 
@@ -279,6 +303,9 @@ def fused_kv_norm_rope_into_cache(
     rope_style: str = "neox",
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
+    block_tokens: Optional[int] = None,
+    block_heads: Optional[int] = None,
+    num_warps: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`fused_kv_norm_rope` written straight into a paged KV cache, one launch.
 
@@ -299,6 +326,6 @@ def fused_kv_norm_rope_into_cache(
     """
     return prepare_cache_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, num_kv_heads, head_dim,
-        rotary_dim, rope_style, k_scale, v_scale,
+        rotary_dim, rope_style, k_scale, v_scale, _tile(block_tokens, block_heads, num_warps),
     ).launch_into_cache(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale,
                         v_scale)

@@ -278,6 +278,17 @@ def validate_call(
     return CallShape(config, total_ctx, n_layers, int(cos_sin_cache.shape[0]))
 
 
+def check_positions_in_range(low: int, high: int, max_position: int) -> None:
+    """``check_positions``: refuse a call whose positions (``low`` the least, ``high`` the
+    greatest, read from the device by the backend) fall outside the cos/sin table."""
+    if low < 0 or high >= max_position:
+        raise ValueError(
+            "Invalid positions for fused KV materialization: got values outside "
+            f"[0, {max_position}) (min {low}, max {high}), expected every position in "
+            f"[0, {max_position})."
+        )
+
+
 def _check_supported(kv, k_norm_weight, eps, cos_sin_cache, positions, config, total_ctx):
     if config.rope_style not in ROPE_STYLES:
         raise ValueError(

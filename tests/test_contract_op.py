@@ -153,6 +153,32 @@ class TestOp:
     def test_positions_outside_the_table_give_all_nan_k_rows_and_exact_v(self, backend, case):
         check_op_case(backend, case)
 
+    @pytest.mark.parametrize("tile", [(1, 1, 1), (2, 2, 2), (4, 1, 4)], ids=str)
+    def test_a_tile_override_gives_the_reference_results(self, backend, tile):
+        config = FusedKVConfig(2, 96, 64, "gptj")
+        inputs = random_inputs(config, n_layers=2, total_ctx=5, max_position=64, seed=14)
+        block_tokens, block_heads, num_warps = tile
+        k, v = backend.kernel.fused_kv_norm_rope(*(backend.put(a) for a in inputs.arrays()), **static(config),
+                                                 block_tokens=block_tokens, block_heads=block_heads,
+                                                 num_warps=num_warps)
+        expected_k, expected_v = fused_kv_norm_rope_reference(*inputs.arrays(), **static(config))
+        assert_close(k, expected_k)
+        assert_bit_exact(v, expected_v)
+
+    def test_check_positions_passes_positions_in_range_and_an_empty_context(self, backend):
+        config = FusedKVConfig(2, 64, 64)
+        inputs = random_inputs(config, n_layers=1, total_ctx=3, max_position=16, seed=11)
+        inputs.positions[:2] = (0, 15)  # both ends of the table
+        k, v = backend.kernel.fused_kv_norm_rope(*(backend.put(a) for a in inputs.arrays()), **static(config),
+                                                 check_positions=True)
+        expected_k, expected_v = fused_kv_norm_rope_reference(*inputs.arrays(), **static(config))
+        assert_close(k, expected_k)
+        assert_bit_exact(v, expected_v)
+        empty = random_inputs(config, n_layers=3, total_ctx=0, max_position=16)
+        k, v = backend.kernel.fused_kv_norm_rope(*(backend.put(a) for a in empty.arrays()), **static(config),
+                                                 check_positions=True)
+        assert k.shape == v.shape == (3, 0, 2, 64)
+
     def test_an_empty_context_gives_empty_outputs_on_the_kv_device(self, backend):
         inputs = random_inputs(FusedKVConfig(2, 64, 32), n_layers=3, total_ctx=0, max_position=16)
         k, v = backend.kernel.fused_kv_norm_rope(*(backend.put(a) for a in inputs.arrays()),
@@ -411,6 +437,16 @@ BAD_CALLS = {
     "v_out_dtype": (dict(v_out=lambda a: a["v_out"].astype(np.float32)),
                     "Invalid v_out device/dtype for fused KV materialization: got device={device}, "
                     "dtype=float32, expected device={device}, dtype=bfloat16."),
+    "position_past_the_table_checked": (
+        dict(positions=lambda a: np.array([3, 16, 0], a["positions"].dtype), check_positions=True),
+        "Invalid positions for fused KV materialization: got values outside [0, 16) (min 0, max 16), "
+        "expected every position in [0, 16)."),
+    "negative_position_checked": (
+        dict(positions=lambda a: np.array([5, -1, 2], a["positions"].dtype), check_positions=True),
+        "Invalid positions for fused KV materialization: got values outside [0, 16) (min -1, max 5), "
+        "expected every position in [0, 16)."),
+    "block_tokens_3": (dict(block_tokens=3),
+                       "Invalid block_tokens for fused KV materialization: got 3, expected a power of two."),
 }
 
 # name: (the change to the good cache call, the message word for word).
@@ -439,6 +475,8 @@ BAD_CACHE_CALLS = {
     "fp8_cache_without_scale": (dict(k_cache=lambda a: a["k_cache"].astype(numpy_dtype(FP8))),
                                 "Invalid k_scale for fused KV materialization: got None, expected float32(2,) "
                                 "for a float8_e4m3fn cache."),
+    "num_warps_3": (dict(num_warps=3),
+                    "Invalid num_warps for fused KV materialization: got 3, expected a power of two."),
 }
 
 # entry point: (its good call, its bad calls, the buffers it writes).

@@ -137,6 +137,18 @@ def test_one_array_as_both_outputs_is_refused_under_jit():
         step(poison, **_bad_call_args())
 
 
+def test_check_positions_is_refused_under_jit_where_positions_have_no_values():
+    step = jax.jit(lambda positions, **args: fused_kv_norm_rope(**args, positions=positions, **_static(SMALL),
+                                                               check_positions=True))
+    args = _bad_call_args()
+    positions = args.pop("positions")
+    message = ("Invalid check_positions for fused KV materialization: got True on traced positions (inside "
+               "jax.jit or another transformation), expected False there (the values are not known until the "
+               "call runs; out-of-range positions give all-NaN K rows).")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):  # jax appends a note on its traceback
+        step(positions, **args)
+
+
 def test_numpy_outputs_are_checked_as_the_callers_own_buffers():
     args = _bad_call_args()
     read_only = np.full(SMALL.output_shape(2, 3), np.nan, np.float32).astype(numpy_dtype("bfloat16"))

@@ -1,5 +1,5 @@
 """What only the torch backend has: tiles and launches, registered ops, strided torch
-views, the remembered validation of an accepted call, check_positions, and on a GPU real
+views, the remembered validation of an accepted call, and on a GPU real
 sizes, torch.compile, CUDA graphs, 64-bit offsets and dependent launches.
 
 What both backends must do alike (the reference, edge values, the cache, refusals) is
@@ -194,29 +194,6 @@ def test_writes_given_outputs_in_place_through_their_strides():
     assert k is k_out and v is v_out
     assert_matches_reference(inputs, config, k_out, v_out)
     assert torch.isnan(k_cache[:, :3]).all() and torch.isnan(k_cache[:, 8:]).all()
-
-
-def test_check_positions_raises_before_writing():
-    config = FusedKVConfig(2, 64, 64)
-    inputs = random_inputs(config, n_layers=2, total_ctx=4, max_position=16, seed=10)
-    inputs.positions[1] = 16
-    kv, *rest = on_device(inputs)
-    k_out, v_out = poisoned((2, 4, 2, 64), kv.dtype), poisoned((2, 4, 2, 64), kv.dtype)
-    message = ("Invalid positions for fused KV materialization: got values outside [0, 16) "
-               f"(min {inputs.positions.min()}, max 16), expected every position in [0, 16).")
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        fused_kv_norm_rope(kv, *rest, **static(config), k_out=k_out, v_out=v_out, check_positions=True)
-    assert torch.isnan(k_out).all() and torch.isnan(v_out).all()
-
-
-def test_check_positions_passes_positions_in_range_and_an_empty_context():
-    config = FusedKVConfig(2, 64, 64)
-    inputs = random_inputs(config, n_layers=1, total_ctx=3, max_position=16, seed=11)
-    assert_matches_reference(inputs, config, *fused_kv_norm_rope(
-        *on_device(inputs), **static(config), check_positions=True))
-    empty = random_inputs(config, n_layers=3, total_ctx=0, max_position=16)
-    k, v = fused_kv_norm_rope(*on_device(empty), **static(config), check_positions=True)
-    assert k.shape == v.shape == (3, 0, 2, 64)
 
 
 CONFIG = FusedKVConfig(2, 64, 32)
