@@ -23,10 +23,10 @@ the producer's ``__dlpack__``, which makes that stream wait for the producer's (
 records an event per tensor; jax waits for each buffer's own ready event). A call that
 moves several arrays does better with :func:`cross`: torch tensors going to jax make
 jax's stream for external buffers wait once, for one event on torch's current stream,
-and are then exported without a handshake of their own (DLPack's ``stream=-1``); jax
-arrays going to torch are exported with torch's current stream looked up once (jax has
-no stream-wide event to wait for: each buffer carries its own, waited for on the
-device, never on the host).
+and are then exported without a handshake of their own (DLPack's ``stream=-1``) and
+imported by jaxlib's own DLPack import (``_import``); jax arrays going to torch are
+exported with torch's current stream looked up once (jax has no stream-wide event to
+wait for: each buffer carries its own, waited for on the device, never on the host).
 """
 
 from __future__ import annotations
@@ -193,10 +193,10 @@ def _import(tensor, device, ready_stream):
     """``jax.dlpack.from_dlpack(tensor)`` for a tensor jax may read once ``ready_stream``
     (None: at once) has run: exported without a handshake (DLPack's ``stream=-1``, the
     crossing ordered it) and imported by the jaxlib call that ``from_dlpack`` makes,
-    without ``from_dlpack``'s Python around it (on the H200 about 28 us of its 30 per
-    array: checks a crossing makes once, and an ``asarray`` that changes nothing for
-    dtypes of 32 bits or fewer). 64-bit dtypes, which jax narrows with x64 off, and a
-    jaxlib whose call differs take ``from_dlpack``."""
+    without ``from_dlpack``'s Python around it (checks a crossing makes once, and an
+    ``asarray`` that changes nothing for dtypes of 32 bits or fewer; what that saves is
+    in BENCHMARKS.md). 64-bit dtypes, which jax narrows with x64 off, and a jaxlib whose
+    call differs take ``from_dlpack``."""
     global _IMPORT_BUFFER
     if _IMPORT_BUFFER is _UNRESOLVED:
         _IMPORT_BUFFER = _jaxlib_import_buffer()
