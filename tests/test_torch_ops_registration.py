@@ -27,11 +27,12 @@ ALL_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "t
 STATIC = (CONFIG.num_kv_heads, CONFIG.head_dim, CONFIG.rotary_dim, CONFIG.rope_style)
 
 
-def test_the_op_into_given_outputs_passes_opcheck():
+@pytest.mark.parametrize("tile", [(), (2, 1, 1)], ids=["default-tile", "tile-override"])
+def test_the_op_into_given_outputs_passes_opcheck(tile):
     kv, *rest = op_inputs()
     k_out, v_out = (torch.empty(CONFIG.output_shape(N_LAYERS, TOTAL_CTX), dtype=kv.dtype, device=DEVICE)
                     for _ in range(2))
-    torch.library.opcheck(torch.ops.fusedkv.write_fused_kv_norm_rope, (kv, *rest, k_out, v_out, *STATIC))
+    torch.library.opcheck(torch.ops.fusedkv.write_fused_kv_norm_rope, (kv, *rest, k_out, v_out, *STATIC, *tile))
 
 
 @pytest.mark.parametrize("k_fp8, v_fp8", [(False, False), (True, True)])
