@@ -162,7 +162,7 @@ def _gptj_k(load_k, load_weight, load_cos_sin, eps, position_ok, *, head_dim: in
     return [(dims, jnp.where(rotated, k_rotated, k_normed), dim_ok)]
 
 
-def _fused_kv_kernel(
+def _fused_kv_norm_rope_kernel(
     kv_ref, weight_ref, eps_ref, cos_sin_ref, positions_ref, *refs,
     num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str,
     block_tokens: int, block_heads: int, slotted: bool, k_quantized: bool, v_quantized: bool,
@@ -347,7 +347,7 @@ def _pallas_launch(kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_de
             aliases[len(inputs)] = output_index
             inputs.append(destination)
     kernel = functools.partial(
-        _fused_kv_kernel,
+        _fused_kv_norm_rope_kernel,
         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         rotary_dim=config.rotary_dim, rope_style=config.rope_style,
         block_tokens=block_tokens, block_heads=block_heads,

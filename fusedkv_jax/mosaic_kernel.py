@@ -91,7 +91,7 @@ def _tile(shape, dtype, *, tiled: bool, start: int = 0):
         plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
 
 
-def _fused_kv_kernel(*refs, head_dim: int, rotary_dim: int, tokens_per_block: int, tiled: bool,
+def _fused_kv_norm_rope_kernel(*refs, head_dim: int, rotary_dim: int, tokens_per_block: int, tiled: bool,
                      interpret: bool, **scratch):
     """K and V of one head for one layer and ``BLOCK_TOKENS`` tokens: the grid point
     ``(block, layer, head)`` of ``plgpu.kernel``.
@@ -218,7 +218,7 @@ def launch(kv, k_norm_weight, eps, cos_sin_cache, positions, *, config: FusedKVC
         rows_loaded=plgpu.Barrier(num_arrivals=tokens_per_block),
     )
     kernel = functools.partial(
-        _fused_kv_kernel, head_dim=dim, rotary_dim=rotary_dim,
+        _fused_kv_norm_rope_kernel, head_dim=dim, rotary_dim=rotary_dim,
         tokens_per_block=tokens_per_block, tiled=tiled, interpret=bool(interpret))
     out_type = [jax.ShapeDtypeStruct(config.output_shape(n_layers, total_ctx), kv.dtype)] * 2
     return plgpu.kernel(
