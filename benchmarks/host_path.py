@@ -255,7 +255,7 @@ def torch_to_jax_pieces():
     timed("jax.dlpack.from_dlpack(kv without handshake)",
           lambda: jax.dlpack.from_dlpack(exchange._HandshakeDone(kv_t)))
     timed("exchange.to_jax(kv) (one tensor, its own handshake)", lambda: to_jax(kv_t))
-    timed("[to_jax(a) for the 5 inputs] (per-array handshakes, before)", lambda: [to_jax(a) for a in t_args])
+    timed("[to_jax(a) for the 5 inputs] (per-array handshakes: what cross replaces)", lambda: [to_jax(a) for a in t_args])
     if jax_device is not None:
         stream = jax_device.get_stream_for_external_ready_events()
         timed("exchange._import(kv) (jaxlib's import, no handshake: the floor per array)",
@@ -277,10 +277,10 @@ def jax_to_torch_pieces():
     timed("jax kv.__dlpack_device__()", j_kv.__dlpack_device__)
     ptr = None if options.cpu else (torch.cuda.current_stream().cuda_stream or 1)
     timed("jax kv.__dlpack__(stream=torch's) (waits for kv's ready event)", lambda: j_kv.__dlpack__(stream=ptr))
-    timed("torch.from_dlpack(jax kv) (per-array handshake, before)", lambda: torch.from_dlpack(j_kv))
+    timed("torch.from_dlpack(jax kv) (per-array handshake: what cross replaces)", lambda: torch.from_dlpack(j_kv))
     timed("torch.utils.dlpack.from_dlpack(jax kv.__dlpack__(stream=torch's))",
           lambda: torch.utils.dlpack.from_dlpack(j_kv.__dlpack__(stream=ptr)))
-    timed("[to_torch(a) for the 5 inputs] (before)", lambda: [to_torch(a) for a in j_args])
+    timed("[to_torch(a) for the 5 inputs] (what cross replaces)", lambda: [to_torch(a) for a in j_args])
     timed("exchange.cross(5 inputs, 'torch')", lambda: exchange.cross(j_args, "torch"))
     j_results = fusedkv_jax.fused_kv_norm_rope(*j_args, **STATIC)
     timed("exchange.cross([k, v], 'torch') (results of the jax backend)",

@@ -92,7 +92,7 @@ def _tile(shape, dtype, *, tiled: bool, start: int = 0):
 
 
 def _fused_kv_norm_rope_kernel(*refs, head_dim: int, rotary_dim: int, tokens_per_block: int, tiled: bool,
-                     interpret: bool, **scratch):
+                               interpret: bool, **scratch):
     """K and V of one head for one layer and ``BLOCK_TOKENS`` tokens: the grid point
     ``(block, layer, head)`` of ``plgpu.kernel``.
 

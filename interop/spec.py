@@ -651,8 +651,6 @@ def call_signature(kind: str, takes: str | None, arrays, num_kv_heads, head_dim,
 
 
 def _remembered(signature: tuple | None) -> AcceptedCall | None:
-    if signature is None:  # not to be remembered (traced calls, which dynamo must not see look up)
-        return None
     try:
         return _ACCEPTED_CALLS.get(signature)
     except TypeError:  # an unhashable argument, which validation refuses
@@ -696,10 +694,12 @@ def _accept(kind: str, names, arrays: tuple, static: tuple, takes, remember: boo
     """The remembered call of this signature, or ``validate(*arrays, *static)`` (after
     ``check_arrays``) remembered. Nothing is built before the lookup: it is the whole of
     an eager call's validation."""
-    signature = call_signature(kind, takes, arrays, *static) if remember else None
-    accepted = _remembered(signature)
-    if accepted is not None:
-        return accepted
+    signature = None
+    if remember:  # traced calls never look the memo up: dynamo cannot trace its dict
+        signature = call_signature(kind, takes, arrays, *static)
+        accepted = _remembered(signature)
+        if accepted is not None:
+            return accepted
     if takes is not None:
         check_arrays(zip(names, arrays), takes)
     return _remember(signature, validate(*arrays, *static))

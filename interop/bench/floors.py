@@ -4,10 +4,11 @@ A bandwidth bar the kernel misses is judged against what moving its bytes costs 
 same form: the same lowering (Triton), grid, default tile, indexed loads and masked
 stores, with none of the op's work. :func:`copy_kernel` copies K and V of ``kv`` into
 ``k_out``/``v_out`` unchanged; with ``cos_sin=True`` it also loads each token's position
-and cos/sin row as the kernel does (added to K times zero, which the compiler must keep:
-``0 * x`` is not ``0`` for every float). Where the copy runs at the copy's speed and the
-kernel does not, the gap is the kernel's work, not the layout or the lowering; the
-``cos_sin`` floor says how much of it the table's rows alone cost.
+and cos/sin row in the kernel's indexed form (added to K times zero, which the compiler
+must keep: ``0 * x`` is not ``0`` for every float). Where the copy runs at the copy's
+speed and the kernel does not, the gap is the kernel's work, not the layout or the
+lowering. The ``cos_sin`` variant locates that work rather than bounding it: it loads
+the rows after K, where the kernel issues them first, and can be the slower of the two.
 """
 
 from __future__ import annotations
