@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from fusedkv_jax import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
+from fusedkv_jax import kernel as jax_kernel
 from fusedkv_jax.kernel import default_lowering
 from interop.arrays import numpy_dtype
 from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
@@ -90,6 +91,32 @@ def test_tile_overrides_cover_ragged_heads_and_tokens():
     host = _inputs(config, n_layers=2, total_ctx=5, seed=16)
     k, v = fused_kv_norm_rope(*host, **_static(config), block_tokens=2, block_heads=2, num_warps=1)
     _assert_matches_reference(k, v, host, config)
+
+
+LOOPED_CASES = [  # config, n_layers: K in runs and as rows, one layer, more layers than in flight
+    (FusedKVConfig(2, 8, 8, "neox"), 3), (FusedKVConfig(3, 96, 64, "neox"), 2),
+    (FusedKVConfig(2, 16, 8, "gptj"), 5), (FusedKVConfig(1, 32, 32, "neox"), 1),
+]
+
+
+@pytest.mark.parametrize("config, n_layers", LOOPED_CASES,
+                         ids=lambda value: f"{value.rope_style}-d{value.head_dim}r{value.rotary_dim}"
+                         if isinstance(value, FusedKVConfig) else f"{value}layers")
+def test_programs_that_take_every_layer_match_the_reference(monkeypatch, config, n_layers):
+    # Interpret mode never loops over layers by default (loops_over_layers), a GPU at long
+    # contexts does: forced here so the CPU suite runs the looped kernel.
+    monkeypatch.setattr(jax_kernel, "loops_over_layers", lambda *args, **kwargs: True)
+    host = list(_inputs(config, n_layers=n_layers, total_ctx=5, seed=30 + n_layers))
+    host[4][1], host[4][3] = -1, 64  # out of range: all-NaN K rows, V kept
+    k, v = fused_kv_norm_rope(*host, **_static(config), block_tokens=2)
+    _assert_matches_reference(k, v, host, config)
+    slots = np.array([4, -1, 0, 9, 2])
+    host, slots, k_cache, v_cache, scales = _cache_case(
+        config, n_layers=n_layers, total_ctx=5, num_slots=6, slots=slots, k_dtype=FP8,
+        v_dtype=numpy_dtype("bfloat16"), seed=40 + n_layers)
+    k, v = fused_kv_norm_rope_into_cache(*host, slots, k_cache, v_cache, **_static(config), **scales,
+                                         block_tokens=2)
+    _assert_cache_matches_reference(k, v, host, slots, k_cache, v_cache, scales, config)
 
 
 SMALL = FusedKVConfig(2, 8, 8, "neox")
@@ -248,6 +275,9 @@ DRAFT = FusedKVConfig(8, 128, 128, "neox")
 @pytest.mark.parametrize("config, total_ctx, dtype", [
     (DRAFT, 16, "bfloat16"), (DRAFT, 4096, "bfloat16"), (DRAFT, 4099, "float16"),
     (FusedKVConfig(8, 96, 64, "gptj"), 1000, "bfloat16"), (FusedKVConfig(4, 192, 128, "neox"), 777, "float32"),
+    # Long enough for programs that take every layer (loops_over_layers), K in runs and as rows:
+    (FusedKVConfig(2, 256, 256, "neox"), 4100, "bfloat16"), (FusedKVConfig(4, 128, 64, "neox"), 4100, "float16"),
+    (FusedKVConfig(8, 96, 64, "gptj"), 4100, "bfloat16"),
 ])
 def test_gpu_matches_reference_into_poisoned_donated_outputs(config, total_ctx, dtype):
     host = _inputs(config, n_layers=5, total_ctx=total_ctx, max_position=32768, dtype=dtype, seed=total_ctx)

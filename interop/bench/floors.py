@@ -1,9 +1,10 @@
 """The floors of the Pallas kernel: its data movement alone, measured as the kernel is.
 
 A bandwidth bar the kernel misses is judged against what moving its bytes costs in the
-same form: the same lowering (Triton), grid, default tile, indexed loads and masked
-stores, with none of the op's work. :func:`copy_kernel` copies K and V of ``kv`` into
-``k_out``/``v_out`` unchanged; with ``cos_sin=True`` it also loads each token's position
+same form: the same lowering (Triton), default tile, indexed loads and masked stores,
+with none of the op's work; one layer a program, where at long contexts the kernel's
+programs take every layer (``fusedkv_jax.kernel.loops_over_layers``).
+:func:`copy_kernel` copies K and V of ``kv`` into ``k_out``/``v_out`` unchanged; with ``cos_sin=True`` it also loads each token's position
 and cos/sin row in the kernel's indexed form (added to K times zero, which the compiler
 must keep: ``0 * x`` is not ``0`` for every float). Where the copy runs at the copy's
 speed and the kernel does not, the gap is the kernel's work, not the layout or the
