@@ -298,8 +298,9 @@ def _fused_kv_norm_rope_kernel(
 def loads_k_rows(config: FusedKVConfig) -> bool:
     """Whether the kernel loads K as whole rows (:func:`_row_k`): always for ``gptj``, and
     for ``neox`` with an unrotated tail, whose rotary halves are runs too narrow for wide
-    loads (H200, rotary 64 of 128, in jit: 3.4-3.9 TB/s against 3.2-3.3 as three runs;
-    BENCHMARKS.md). Else K is loaded as its ``neox`` runs (:func:`_neox_halves_k`)."""
+    loads (H200, rotary 64 of 128, 32768 tokens, in jit: 3.4-3.5 TB/s against 3.2-3.3 as
+    three runs, in either grid; BENCHMARKS.md). Else K is loaded as its ``neox`` runs
+    (:func:`_neox_halves_k`)."""
     return config.rope_style == "gptj" or config.rotary_dim < config.head_dim
 
 
@@ -310,7 +311,7 @@ def loops_over_layers(total_ctx: int, n_layers: int, num_kv_heads: int, head_dim
     the call still has a wave of programs for every multiprocessor. With fewer it is
     latency that counts, and one layer a program has more programs in flight (H200,
     2026-12-01, in jit: looped, the draft shape at 256 tokens took 5.0-5.4 us against
-    3.4-3.6; at 32768 tokens head_dim 256 ran at 3.8 TB/s against 3.1-3.2)."""
+    3.4-3.6; at 32768 tokens head_dim 256 ran at 3.7-3.8 TB/s against 3.1-3.4)."""
     if interpret or n_layers == 1:
         return False
     tile = pl.next_power_of_2(num_kv_heads) * pl.next_power_of_2(head_dim)
