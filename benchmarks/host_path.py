@@ -10,7 +10,9 @@ A failing row prints its error and the rest go on. Every path is first checked a
 the NumPy reference. The entry points are timed first and again last, after every
 piece has run (the host's first rows ran up to 2x slower on the H200, S5-2/S5-3); the
 summary judges the last. The floors: Triton's runner alone, and with each tensor's
-metadata read once (what any eager launch reads); jaxlib's DLPack import per array.
+metadata read once (what any eager launch reads); jaxlib's DLPack import per array. The
+step-by-step sections time one interop call's steps inside the call, dropping the results
+included, where the pieces (timed on arrays kept alive) fall short of the whole call.
 ``--cpu``: a dry run on a machine without a GPU (interpreted kernels).
 """
 
@@ -289,6 +291,50 @@ def jax_to_torch_pieces():
 
 attempt("jax -> torch pieces", jax_to_torch_pieces)
 
+
+def stepwise(title, caller_args, backend):
+    """One interop call's steps timed inside the call (perf_counter between them, the median
+    of each over the calls), dropping the results included: where a call's time goes that
+    its pieces, timed on arrays kept alive, do not show."""
+    from interop import dispatch
+
+    steps = ("accept_call", "check_output_buffers", "choose and load the backend", "cross the 5 inputs",
+             "the backend's validated call", "deliver (results cross back)", "drop the results")
+    samples = []
+    for _ in range(options.calls):
+        synchronize()
+        marks = [time.perf_counter()]
+        accepted = spec.accept_call(*caller_args, None, None, **STATIC, takes="any")
+        marks.append(time.perf_counter())
+        spec.check_output_buffers(caller_args[0], (("k_out", None), ("v_out", None)))
+        marks.append(time.perf_counter())
+        caller = exchange.framework_of(caller_args[0])
+        module = dispatch.load_backend(dispatch.choose_backend(backend, caller))
+        marks.append(time.perf_counter())
+        crossed = exchange.cross(caller_args, backend)
+        marks.append(time.perf_counter())
+        results = module.fused_kv_norm_rope_validated(accepted, *crossed)
+        marks.append(time.perf_counter())
+        delivered = dispatch._deliver((None, None), results, caller, backend)
+        marks.append(time.perf_counter())
+        del crossed, results, delivered
+        marks.append(time.perf_counter())
+        samples.append([(after - before) * 1e6 for before, after in zip(marks, marks[1:])])
+    section(title)
+    for index, step in enumerate(steps):
+        values = [sample[index] for sample in samples]
+        print(f"{step:66s} {statistics.median(values):9.2f} {min(values):9.2f}", flush=True)
+    totals = [sum(sample) for sample in samples]
+    print(f"{'all steps':66s} {statistics.median(totals):9.2f} {min(totals):9.2f}", flush=True)
+
+
+attempt("jax -> torch step by step",
+        lambda: stepwise("interop, jax caller, torch backend, step by step (device synchronised between calls)",
+                         j_args, "torch"))
+attempt("torch -> torch step by step",
+        lambda: stepwise("interop, torch caller, torch backend, step by step (device synchronised between calls)",
+                         t_args, "torch"))
+
 section("the jax backend alone (what a crossing to jax adds to)")
 accepted = spec.accept_call(*j_args, None, None, **STATIC)
 timed("fusedkv_jax.fused_kv_norm_rope_validated (no validation)",
@@ -303,7 +349,8 @@ def jit_dispatch_alone():
     config = FusedKVConfig(8, 128, 128)
     timed("fusedkv_jax.kernel._launch (the jit's dispatch alone)",
           lambda: jax_kernel._launch(*j_args, None, None, None, None, None, config=config, block_tokens=tile[0],
-                                     block_heads=tile[1], num_warps=tile[2], interpret=False))
+                                     block_heads=tile[1], num_warps=tile[2], layer_loop=False,
+                                     k_rows=jax_kernel.loads_k_rows(config), interpret=False))
 
 
 attempt("jit dispatch", jit_dispatch_alone)
