@@ -114,11 +114,20 @@ def fused_kv_norm_rope(
     if chosen == "torch" and caller == "numpy" and _torch_on_gpu():
         raise ValueError("NumPy arrays live on the host and the Triton kernel runs on the GPU "
                          "here: pass torch CUDA tensors, or use backend='jax'.")
-    inputs = cross((kv, k_norm_weight, eps, cos_sin_cache, positions), chosen)
-    in_place = {name: to_framework(out, chosen) for name, out in outputs if _written_in_place(out, chosen)}
+    arrays = (kv, k_norm_weight, eps, cos_sin_cache, positions)
     # Validated above on the caller's arrays, whose shapes, dtypes and devices crossing keeps.
+    if chosen == "torch" and _all_torch(arrays, k_out, v_out):
+        # Nothing crosses and the outputs given are written in place: the backend's own call.
+        return module.fused_kv_norm_rope_validated(accepted, *arrays, k_out=k_out, v_out=v_out)
+    inputs = cross(arrays, chosen)
+    in_place = {name: to_framework(out, chosen) for name, out in outputs if _written_in_place(out, chosen)}
     results = module.fused_kv_norm_rope_validated(accepted, *inputs, **in_place)
     return _deliver((k_out, v_out), results, caller, chosen)
+
+
+def _all_torch(arrays, *outputs) -> bool:
+    return all(framework_of(array) == "torch" for array in arrays) and all(
+        output is None or framework_of(output) == "torch" for output in outputs)
 
 
 
