@@ -119,6 +119,26 @@ def test_programs_that_take_every_layer_match_the_reference(monkeypatch, config,
     _assert_cache_matches_reference(k, v, host, slots, k_cache, v_cache, scales, config)
 
 
+@pytest.mark.parametrize("total_ctx, n_layers, config, looped, tile", [
+    # The tiles measured best on the H200 (BENCHMARKS.md, 2026-12-01): one wave of one-layer
+    # programs at 256 tokens on 2 warps; looped programs of one token, 2 warps for head_dim
+    # 256 in runs, 4 for rotary 64 of 128 as rows.
+    (256, 5, FusedKVConfig(8, 128, 128, "neox"), False, (1, 8, 2)),
+    (4096, 5, FusedKVConfig(2, 256, 256, "neox"), True, (1, 2, 2)),
+    (32768, 8, FusedKVConfig(4, 128, 64, "neox"), True, (1, 4, 4)),
+    (2048, 5, FusedKVConfig(2, 256, 256, "neox"), False, None),  # looped, less than a wave
+    (32768, 1, FusedKVConfig(8, 128, 128, "neox"), False, None),  # one layer: nothing to loop over
+])
+def test_programs_take_every_layer_when_a_wave_of_them_fills_the_gpu(monkeypatch, total_ctx, n_layers, config,
+                                                                     looped, tile):
+    monkeypatch.setattr(jax_kernel, "_multiprocessors", lambda: 132)  # an H200's
+    shape = (total_ctx, n_layers, config.num_kv_heads, config.head_dim)
+    assert jax_kernel.loops_over_layers(*shape) is looped
+    assert jax_kernel.loops_over_layers(*shape, interpret=True) is False
+    if tile is not None:
+        assert jax_kernel.default_tile(*shape, rotary_dim=config.rotary_dim) == tile
+
+
 SMALL = FusedKVConfig(2, 8, 8, "neox")
 
 
