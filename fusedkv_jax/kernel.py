@@ -125,8 +125,9 @@ def _inverse_rms(sum_squares, eps, head_dim: int, position_ok):
     return jnp.where(position_ok[:, None, None] & (sum_squares < jnp.inf), inv_rms, jnp.nan)
 
 
-def _halves_frequencies(head_dim: int, rotary_dim: int):
-    """The cos/sin columns :func:`_neox_halves_k` rotates by: one per pair, ``[half]``."""
+def _halves_frequencies(rotary_dim: int):
+    """The cos/sin columns :func:`_neox_halves_k` rotates by: one per pair, ``[half]``, and
+    which of them are pairs (the run is padded to a power of two)."""
     half = rotary_dim // 2
     pairs = jnp.arange(pl.next_power_of_2(half))
     return pairs, pairs < half
@@ -142,8 +143,8 @@ def _neox_halves_k(load_k, load_weight, *, head_dim: int, rotary_dim: int):
     plus a second, permuted load of it when the rotation covers the row; BENCHMARKS.md).
     """
     half, tail = rotary_dim // 2, head_dim - rotary_dim
-    pairs = jnp.arange(pl.next_power_of_2(half))
-    pieces = [(pairs, pairs < half), (half + pairs, pairs < half)]
+    pairs, pairs_ok = _halves_frequencies(rotary_dim)
+    pieces = [(pairs, pairs_ok), (half + pairs, pairs_ok)]
     if tail:
         tail_columns = rotary_dim + jnp.arange(pl.next_power_of_2(tail))
         pieces.append((tail_columns, tail_columns < head_dim))
@@ -264,7 +265,7 @@ def _fused_kv_norm_rope_kernel(
     # An out-of-range position is never read: its row is masked and becomes NaN.
     rotation_ok = (token_ok & position_ok)[:, None]
     frequencies, frequencies_ok = (_row_frequencies(head_dim, rotary_dim, rope_style) if k_rows
-                                   else _halves_frequencies(head_dim, rotary_dim))
+                                   else _halves_frequencies(rotary_dim))
     position_index, frequency_index = positions[:, None], frequencies[None, :]
     cos_sin_ok = rotation_ok & frequencies_ok[None, :]
     cos = _load(cos_sin_ref.at[position_index, frequency_index], mask=cos_sin_ok, other=1.0)[:, None, :]
