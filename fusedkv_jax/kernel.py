@@ -97,7 +97,7 @@ _ONE_WAVE_PROGRAMS_PER_MULTIPROCESSOR = 16
 _LAYER_LOOP_TILE_ELEMENTS = 512
 # Layers whose loads a looping program has issued before it stores one. On the H200
 # (2026-12-01, in jit) 3 lost 1-4% to 2, and all layers 5-11% (registers).
-_LAYERS_IN_FLIGHT = 2
+LAYERS_IN_FLIGHT = 2
 # Interpret mode runs the grid as a loop that pays per program in proportion to the
 # arrays' size: a CPU run proves logic, not tiles, so it takes tiles of up to this many
 # K elements (5 layers, 8 heads of 128, 2048 tokens: 0.67 s a call against 40 s or more).
@@ -260,7 +260,7 @@ def _fused_kv_norm_rope_kernel(
             head_dim=head_dim, rotary_dim=rotary_dim)
         return layer, v, eps, finish_k
 
-    in_flight = [load_layer(first_layer + i) for i in range(min(_LAYERS_IN_FLIGHT, block_layers))]
+    in_flight = [load_layer(first_layer + i) for i in range(min(LAYERS_IN_FLIGHT, block_layers))]
     position_ok = (positions >= 0) & (positions < max_position)
     # An out-of-range position is never read: its row is masked and becomes NaN.
     rotation_ok = (token_ok & position_ok)[:, None]
@@ -280,8 +280,8 @@ def _fused_kv_norm_rope_kernel(
         layer, v, eps, finish_k = in_flight.pop(0)
         # Later layers' loads go before this layer's stores, which the compiler may not
         # move them past (it cannot tell kv from the outputs).
-        if layer_in_block + _LAYERS_IN_FLIGHT < block_layers:
-            in_flight.append(load_layer(first_layer + layer_in_block + _LAYERS_IN_FLIGHT))
+        if layer_in_block + LAYERS_IN_FLIGHT < block_layers:
+            in_flight.append(load_layer(first_layer + layer_in_block + LAYERS_IN_FLIGHT))
         pieces = [(k_out_ref, k_scale_ref, piece) for piece in finish_k(cos, sin, eps, position_ok)]
         pieces.append((v_out_ref, v_scale_ref, (v_columns, v, v_columns_ok)))
         for out_ref, scale_ref, (columns, value, columns_ok) in pieces:

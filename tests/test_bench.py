@@ -431,10 +431,18 @@ def test_a_kernel_the_jit_does_not_launch_once_per_call_fails_and_is_not_timed()
     assert twice.seconds is None
 
 
-def test_the_floor_rows_copy_k_and_v_bit_for_bit_and_are_timed():
+@pytest.mark.parametrize("looped", [False, True], ids=["one layer a program", "every layer a program"])
+def test_the_floor_rows_copy_k_and_v_bit_for_bit_and_are_timed(looped, monkeypatch):
     pytest.importorskip("jax")
+    from fusedkv_jax import kernel as pallas_kernel
+
+    shape = TINY
+    if looped:  # interpret mode never loops over layers by default; a GPU at long contexts does
+        monkeypatch.setattr(pallas_kernel, "loops_over_layers", lambda *args, **kwargs: True)
+        # More layers than are in flight at once, so that later layers' loads are issued in the loop.
+        shape = dataclasses.replace(TINY, n_layers=pallas_kernel.LAYERS_IN_FLIGHT + 1)
     floors = [BY_NAME["pallas-floor"], BY_NAME["pallas-floor-cos-sin"]]
-    for measurement in run(plan([TINY], [5], floors), dtype="bfloat16", framework="jax", effort=ONCE):
+    for measurement in run(plan([shape], [5], floors), dtype="bfloat16", framework="jax", effort=ONCE):
         assert measurement.kind == "floor" and not measurement.does_op
         assert measurement.check == "ok" and measurement.seconds is not None
 
