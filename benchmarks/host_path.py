@@ -11,8 +11,9 @@ the NumPy reference. The entry points are timed first and again last, after ever
 piece has run (the host's first rows ran up to 2x slower on the H200, S5-2/S5-3); the
 summary judges the last. The floors: Triton's runner alone, and with each tensor's
 metadata read once (what any eager launch reads); jaxlib's DLPack import per array. The
-step-by-step sections time one interop call's steps inside the call, dropping the results
-included, where the pieces (timed on arrays kept alive) fall short of the whole call.
+step-by-step section times a jax->torch interop call's steps inside the call, dropping
+the results included, where the pieces (timed on arrays kept alive) fall short of the
+whole call.
 ``--cpu``: a dry run on a machine without a GPU (interpreted kernels).
 """
 
@@ -293,7 +294,7 @@ attempt("jax -> torch pieces", jax_to_torch_pieces)
 
 
 def stepwise(title, caller_args, backend):
-    """One interop call's steps timed inside the call (perf_counter between them, the median
+    """One crossing interop call's steps timed inside the call (perf_counter between them, the median
     of each over the calls), dropping the results included: where a call's time goes that
     its pieces, timed on arrays kept alive, do not show."""
     from interop import dispatch
@@ -328,12 +329,10 @@ def stepwise(title, caller_args, backend):
     print(f"{'all steps':66s} {statistics.median(totals):9.2f} {min(totals):9.2f}", flush=True)
 
 
+# A call within one framework crosses nothing and skips these steps (interop.dispatch).
 attempt("jax -> torch step by step",
         lambda: stepwise("interop, jax caller, torch backend, step by step (device synchronised between calls)",
                          j_args, "torch"))
-attempt("torch -> torch step by step",
-        lambda: stepwise("interop, torch caller, torch backend, step by step (device synchronised between calls)",
-                         t_args, "torch"))
 
 section("the jax backend alone (what a crossing to jax adds to)")
 accepted = spec.accept_call(*j_args, None, None, **STATIC)

@@ -371,4 +371,3 @@ def launch(
     plan = tuned_plan(config, total_ctx, n_layers, cache_loc is not None, k_scale is not None, v_scale is not None,
                       (block_tokens, block_heads, num_warps), dependent_launch)
     _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dst, v_dst, cache_loc, k_scale, v_scale)
-

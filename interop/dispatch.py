@@ -115,20 +115,16 @@ def fused_kv_norm_rope(
         raise ValueError("NumPy arrays live on the host and the Triton kernel runs on the GPU "
                          "here: pass torch CUDA tensors, or use backend='jax'.")
     arrays = (kv, k_norm_weight, eps, cos_sin_cache, positions)
+    in_place = {name: out for name, out in outputs if _written_in_place(out, chosen)}
     # Validated above on the caller's arrays, whose shapes, dtypes and devices crossing keeps.
-    if chosen == "torch" and _all_torch(arrays, k_out, v_out):
-        # Nothing crosses and the outputs given are written in place: the backend's own call.
-        return module.fused_kv_norm_rope_validated(accepted, *arrays, k_out=k_out, v_out=v_out)
+    if all(array is None or framework_of(array) == chosen for array in (*arrays, k_out, v_out)):
+        # Everything is the backend's already: nothing crosses either way, and its results
+        # (the outputs given, written in place, or new arrays) are the caller's.
+        return tuple(module.fused_kv_norm_rope_validated(accepted, *arrays, **in_place))
     inputs = cross(arrays, chosen)
-    in_place = {name: to_framework(out, chosen) for name, out in outputs if _written_in_place(out, chosen)}
+    in_place = {name: to_framework(out, chosen) for name, out in in_place.items()}
     results = module.fused_kv_norm_rope_validated(accepted, *inputs, **in_place)
     return _deliver((k_out, v_out), results, caller, chosen)
-
-
-def _all_torch(arrays, *outputs) -> bool:
-    return all(framework_of(array) == "torch" for array in arrays) and all(
-        output is None or framework_of(output) == "torch" for output in outputs)
-
 
 
 @functools.cache
