@@ -11,9 +11,9 @@ the NumPy reference. The entry points are timed first and again last, after ever
 piece has run (the host's first rows ran up to 2x slower on the H200, S5-2/S5-3); the
 summary judges the last. The floors: Triton's runner alone, and with each tensor's
 metadata read once (what any eager launch reads); jaxlib's DLPack import per array. The
-step-by-step section times a jax->torch interop call's steps inside the call, dropping
-the results included, where the pieces (timed on arrays kept alive) fall short of the
-whole call.
+step-by-step sections time a crossing interop call's steps (jax->torch, torch->jax)
+inside the call, dropping the results included, where the pieces (timed on arrays kept
+alive) fall short of the whole call.
 ``--cpu``: a dry run on a machine without a GPU (interpreted kernels).
 """
 
@@ -330,9 +330,10 @@ def stepwise(title, caller_args, backend):
 
 
 # A call within one framework crosses nothing and skips these steps (interop.dispatch).
-attempt("jax -> torch step by step",
-        lambda: stepwise("interop, jax caller, torch backend, step by step (device synchronised between calls)",
-                         j_args, "torch"))
+for caller, caller_args, backend in (("jax", j_args, "torch"), ("torch", t_args, "jax")):
+    attempt(f"{caller} -> {backend} step by step",
+            lambda: stepwise(f"interop, {caller} caller, {backend} backend, step by step "
+                             "(device synchronised between calls)", caller_args, backend))
 
 section("the jax backend alone (what a crossing to jax adds to)")
 accepted = spec.accept_call(*j_args, None, None, **STATIC)

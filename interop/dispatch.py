@@ -8,6 +8,10 @@ arrays; jax to torch: each buffer's own ready event, as jax offers no other). Ev
 input crosses on every call: keeping the weights' crossings from call to call gave
 wrong K on the H200 when torch rewrote a kept weight in place (2026-12-01).
 
+A call's route (backend chosen, outputs written in place, whether anything crosses)
+depends on its arrays' types alone, so it is kept with the accepted call's signature
+(``interop.spec.AcceptedCall``) and a repeated call only looks it up.
+
 Given ``k_out``/``v_out`` and where they are written:
 
 * same framework as the backend (torch tensors to the torch backend, NumPy arrays
@@ -108,23 +112,42 @@ def fused_kv_norm_rope(
                            num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
                            rope_style=rope_style, takes="any")
     check_output_buffers(kv, outputs)
-    caller = framework_of(kv)
-    chosen = choose_backend(backend, caller)
-    module = load_backend(chosen)
-    if chosen == "torch" and caller == "numpy" and _torch_on_gpu():
-        raise ValueError("NumPy arrays live on the host and the Triton kernel runs on the GPU "
-                         "here: pass torch CUDA tensors, or use backend='jax'.")
+    # The route depends on the arrays' types only, which the accepted call's signature holds.
+    route = accepted.prepared.get(("interop", backend)) if isinstance(backend, str) else None
+    if route is None:  # the route raises for a backend that is not one
+        route = _Route(backend, (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out))
+        accepted.prepared[("interop", backend)] = route
     arrays = (kv, k_norm_weight, eps, cos_sin_cache, positions)
-    in_place = {name: out for name, out in outputs if _written_in_place(out, chosen)}
+    in_place = {name: out for name, out in outputs if name in route.in_place}
     # Validated above on the caller's arrays, whose shapes, dtypes and devices crossing keeps.
-    if all(array is None or framework_of(array) == chosen for array in (*arrays, k_out, v_out)):
+    if not route.crosses:
         # Everything is the backend's already: nothing crosses either way, and its results
         # (the outputs given, written in place, or new arrays) are the caller's.
-        return tuple(module.fused_kv_norm_rope_validated(accepted, *arrays, **in_place))
-    inputs = cross(arrays, chosen)
-    in_place = {name: to_framework(out, chosen) for name, out in in_place.items()}
-    results = module.fused_kv_norm_rope_validated(accepted, *inputs, **in_place)
-    return _deliver((k_out, v_out), results, caller, chosen)
+        return tuple(route.module.fused_kv_norm_rope_validated(accepted, *arrays, **in_place))
+    inputs = cross(arrays, route.backend)
+    in_place = {name: to_framework(out, route.backend) for name, out in in_place.items()}
+    results = route.module.fused_kv_norm_rope_validated(accepted, *inputs, **in_place)
+    return _deliver((k_out, v_out), results, route.caller, route.backend)
+
+
+class _Route:
+    """Where a call of one signature goes: the caller's framework, the backend chosen and
+    its module, which outputs it writes in place, and whether any array crosses. Made
+    once per accepted call and backend argument (a refused route raises every time)."""
+
+    __slots__ = ("caller", "backend", "module", "in_place", "crosses")
+
+    def __init__(self, backend: str, arrays: tuple):
+        kv, k_out, v_out = arrays[0], arrays[-2], arrays[-1]
+        self.caller = framework_of(kv)
+        self.backend = choose_backend(backend, self.caller)
+        self.module = load_backend(self.backend)
+        if self.backend == "torch" and self.caller == "numpy" and _torch_on_gpu():
+            raise ValueError("NumPy arrays live on the host and the Triton kernel runs on the GPU "
+                             "here: pass torch CUDA tensors, or use backend='jax'.")
+        self.in_place = tuple(name for name, out in (("k_out", k_out), ("v_out", v_out))
+                              if _written_in_place(out, self.backend))
+        self.crosses = any(array is not None and framework_of(array) != self.backend for array in arrays)
 
 
 @functools.cache

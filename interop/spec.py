@@ -593,9 +593,9 @@ _CACHE_CALL_ARRAYS = _CALL_ARRAYS[:5] + ("cache_loc", "k_cache", "v_cache", "k_s
 
 
 class AcceptedCall:
-    """A call validation accepted: its sizes (``shape``), and what each backend prepared
-    to launch calls of its signature (``prepared``, by backend name: the torch backend
-    keeps its launch plan and compiled kernels there)."""
+    """A call validation accepted: its sizes (``shape``), and what was prepared for calls
+    of its signature (``prepared``: the torch backend keeps its launch plan and compiled
+    kernels under ``'torch'``, ``interop`` its route under ``('interop', backend)``)."""
 
     __slots__ = ("shape", "prepared")
 

@@ -183,6 +183,16 @@ def test_bad_input_is_rejected_before_any_backend_runs():
         interop.fused_kv_norm_rope(*inputs.arrays(), **STATIC, backend="cuda")
 
 
+@pytest.mark.parametrize("bad_backend", ["cuda", ["torch"]])
+def test_a_bad_backend_is_refused_on_every_call_after_the_same_call_went_through(bad_backend):
+    args = [_as_caller(array, "torch") for array in _inputs(seed=14).arrays()]
+    interop.fused_kv_norm_rope(*args, **STATIC, backend="jax")
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"^Invalid backend for fused KV materialization: got "
+                                             + re.escape(repr(bad_backend))):
+            interop.fused_kv_norm_rope(*args, **STATIC, backend=bad_backend)
+
+
 def _corrupting(run_name, index):
     def runner(name, placed, config):
         run = run_backend(name, placed, config)

@@ -47,7 +47,10 @@ class BenchShape:
     def op_bytes(self, total_ctx: int, dtype: str) -> int:
         """What the op cannot avoid moving: read ``kv`` once, write K and V once (``2 * kv.nbytes``).
 
-        The cos/sin rows, weights and positions, a few KB, are not counted.
+        Not counted, as a copy of K and V does not move them: the weights and eps (a few
+        KB), the positions, and the cos/sin row of each token's position (``rotary_dim``
+        fp32 values a token, so 5% over these bytes in hd256, 1.3% in draft and 0.8% in
+        rotary64). ``pallas-floor-cos-sin`` measures what loading them costs.
         """
         return 2 * self.kv_nbytes(total_ctx, dtype)
 
