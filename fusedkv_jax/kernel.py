@@ -63,6 +63,7 @@ from interop.exchange import narrow_for_jax
 from interop.reference import FP8_E4M3_MAX, SMALLEST_NORMAL_FP32
 from interop.spec import (
     AcceptedCall,
+    CallShape,
     FusedKVConfig,
     accept_cache_call,
     accept_call,
@@ -568,12 +569,8 @@ def fused_kv_norm_rope_validated(accepted: AcceptedCall, kv, k_norm_weight, eps,
     those checks are not run again. ``interop``'s and :func:`fused_kv_norm_rope`'s own path;
     the public function checks everything."""
     call = accepted.shape
-    interpret = on_cpu(kv) if interpret is None else interpret
-    tile = default_tile(call.total_ctx, call.n_layers, call.config.num_kv_heads, call.config.head_dim,
-                        rotary_dim=call.config.rotary_dim, rope_style=call.config.rope_style,
-                        block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps,
-                        interpret=interpret)
-    lowering = _lowering(lowering, call, kv.dtype, interpret,
+    options = _launch_options(call, kv, block_tokens, block_heads, num_warps, interpret)
+    lowering = _lowering(lowering, call, kv.dtype, options["interpret"],
                          tuned=(block_tokens, block_heads, num_warps) != (None, None, None))
     if call.total_ctx == 0:
         empty = jnp.empty(call.output_shape, kv.dtype)
@@ -581,14 +578,24 @@ def fused_kv_norm_rope_validated(accepted: AcceptedCall, kv, k_norm_weight, eps,
     positions = narrow_for_jax(positions)
     if lowering == "mosaic_gpu":
         return mosaic_kernel.launch(kv, k_norm_weight, eps, cos_sin_cache, positions,
-                                    config=call.config, interpret=interpret)
-    return _launch(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, None, k_out, v_out, None, None,
-        config=call.config, block_tokens=tile[0], block_heads=tile[1], num_warps=tile[2],
-        layer_loop=loops_over_layers(call.total_ctx, call.n_layers, call.config.num_kv_heads,
-                                     call.config.head_dim, interpret=interpret),
-        k_rows=loads_k_rows(call.config), interpret=interpret,
-    )
+                                    config=call.config, interpret=options["interpret"])
+    return _launch(kv, k_norm_weight, eps, cos_sin_cache, positions, None, k_out, v_out, None, None, **options)
+
+
+def _launch_options(call: CallShape, kv, block_tokens, block_heads, num_warps, interpret) -> dict:
+    """:func:`_launch`'s static arguments for an accepted call: its configuration, tile
+    (:func:`default_tile`, with the overrides given), form and interpret mode (None: where
+    ``kv`` lives)."""
+    config = call.config
+    interpret = on_cpu(kv) if interpret is None else interpret
+    block_tokens, block_heads, num_warps = default_tile(
+        call.total_ctx, call.n_layers, config.num_kv_heads, config.head_dim, rotary_dim=config.rotary_dim,
+        rope_style=config.rope_style, block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps,
+        interpret=interpret)
+    return dict(config=config, block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps,
+                layer_loop=loops_over_layers(call.total_ctx, call.n_layers, config.num_kv_heads, config.head_dim,
+                                             interpret=interpret),
+                k_rows=loads_k_rows(config), interpret=interpret)
 
 
 LOWERINGS = ("triton", "mosaic_gpu")
@@ -682,20 +689,10 @@ def fused_kv_norm_rope_into_cache(
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
     ).shape
     check_output_buffers(given_kv, caches)
-    interpret = on_cpu(kv) if interpret is None else interpret
-    tile = default_tile(call.total_ctx, call.n_layers, call.config.num_kv_heads, call.config.head_dim,
-                        rotary_dim=call.config.rotary_dim, rope_style=call.config.rope_style,
-                        block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps,
-                        interpret=interpret)
+    options = _launch_options(call, kv, block_tokens, block_heads, num_warps, interpret)
     if call.total_ctx == 0:
         return k_cache, v_cache
     positions = narrow_for_jax(positions)
     cache_loc = narrow_for_jax(cache_loc)
-    return _launch(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-        k_scale, v_scale,
-        config=call.config, block_tokens=tile[0], block_heads=tile[1], num_warps=tile[2],
-        layer_loop=loops_over_layers(call.total_ctx, call.n_layers, call.config.num_kv_heads,
-                                     call.config.head_dim, interpret=interpret),
-        k_rows=loads_k_rows(call.config), interpret=interpret,
-    )
+    return _launch(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+                   k_scale, v_scale, **options)
