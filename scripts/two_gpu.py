@@ -125,7 +125,7 @@ def _torch_rank(rank: int, init_method: str, out_dir: str, quick: bool) -> None:
 
     def timed(materializer, k_pool, v_pool) -> float:
         return graph_replay_seconds(lambda i: materializer.materialize_into_cache(
-            ctx_hidden, positions, cache_loc, k_pool, v_pool), 1, replays=5 if quick else 20)
+            ctx_hidden, positions, cache_loc, k_pool, v_pool), 1, rep_ms=5 if quick else 20)
 
     local_heads = DRAFT.num_kv_heads // WORLD_SIZE
     share = FusedKVMaterializer(head_parallel_layers(layers, rank, WORLD_SIZE))

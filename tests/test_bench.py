@@ -25,7 +25,7 @@ from interop.testing import assert_bit_exact, assert_close, random_inputs
 
 # Timers sample once, with few calls a jit (compiling many takes long on the CPU): these
 # tests pin down what is checked and recorded, not timings.
-ONCE = Effort(graph_replays=1, jax_repeats=1, jax_batch_seconds=0.001, host_calls=3, host_repeats=1,
+ONCE = Effort(graph_ms=1, jax_repeats=1, jax_batch_seconds=0.001, host_calls=3, host_repeats=1,
               max_calls_per_jit=8)
 TINY = BenchShape("tiny", FusedKVConfig(num_kv_heads=2, head_dim=32, rotary_dim=16), 2, "2 layers, 2 heads",
                   hidden=64)

@@ -8,8 +8,9 @@ token count (:class:`~interop.bench.registry.NotApplicable`) is recorded as ``n/
 why, and one that raises is recorded with its error (the traceback goes to
 ``on_error``) while the run goes on.
 
-Timers by row: torch on the device, CUDA-graph replay (64 calls a graph up to 4096
-tokens, 16 beyond); host rows, a loop of eager calls, only up to
+Timers by row: torch on the device, CUDA-graph replay
+(:func:`~interop.bench.timers.graph_replay_seconds`, ``Effort.graph_ms`` of calls a
+graph); host rows, a loop of eager calls, only up to
 :data:`~interop.bench.shapes.DECODE_TOKENS` tokens; JAX on the device, the in-jit method
 (:func:`~interop.bench.timers.in_jit_seconds`), with as many calls in one jit as
 :func:`calls_per_jit` takes from the bytes a call moves.
@@ -48,7 +49,6 @@ from interop.bench.shapes import DECODE_TOKENS, BenchShape
 from interop.bench.timers import chained_calls, graph_replay_seconds, host_seconds_per_call, in_jit_seconds
 from interop.bench.workload import Workload
 
-GRAPH_TOKENS = 4096
 JIT_DEVICE_SECONDS = 1e-3
 # Below the H200's 4.2 TB/s copy, so that estimates err toward more calls.
 ESTIMATED_BYTES_PER_SECOND = 3e12
@@ -61,7 +61,7 @@ MIN_CALLS_PER_JIT = 8
 class Effort:
     """How long each timer samples, and how many calls one jit may hold (module docstring)."""
 
-    graph_replays: int = 20
+    graph_ms: float = 20
     jax_repeats: int = 7
     jax_batch_seconds: float = 0.02
     host_calls: int = 500
@@ -70,7 +70,7 @@ class Effort:
 
 
 FULL = Effort()
-QUICK = Effort(graph_replays=10, jax_repeats=5, jax_batch_seconds=0.01, host_calls=200, host_repeats=3)
+QUICK = Effort(graph_ms=10, jax_repeats=5, jax_batch_seconds=0.01, host_calls=200, host_repeats=3)
 
 
 def plan(shapes: list[BenchShape], tokens: list[int],
@@ -156,10 +156,8 @@ def _timed(implementation: Implementation, workload: Workload, effort: Effort) -
         seconds = host_seconds_per_call(prepared.call, prepared.sets, calls=effort.host_calls,
                                         repeats=effort.host_repeats, wait=_wait_for(implementation))
         return dict(found, seconds=seconds, method=f"host loop, {effort.host_calls} calls")
-    calls = 64 if workload.total_ctx <= GRAPH_TOKENS else 16
-    seconds = graph_replay_seconds(prepared.call, prepared.sets, calls_per_graph=calls,
-                                   replays=effort.graph_replays)
-    return dict(found, seconds=seconds, method=f"graph replay, {calls} calls")
+    seconds = graph_replay_seconds(prepared.call, prepared.sets, rep_ms=effort.graph_ms)
+    return dict(found, seconds=seconds, method=f"graph replay, {effort.graph_ms:g} ms a graph")
 
 
 def measure(implementation: Implementation, workload: Workload | None, effort: Effort, *,
