@@ -13,7 +13,8 @@ summary judges the last. The floors: Triton's runner alone, and with each tensor
 metadata read once (what any eager launch reads); jaxlib's DLPack import per array. The
 step-by-step sections time a crossing interop call's steps (jax->torch, torch->jax)
 inside the call, dropping the results included, where the pieces (timed on arrays kept
-alive) fall short of the whole call.
+alive) fall short of the whole call; and the same calls in loops that keep every result
+alive, against loops that drop each at the next call.
 ``--cpu``: a dry run on a machine without a GPU (interpreted kernels).
 """
 
@@ -334,6 +335,23 @@ for caller, caller_args, backend in (("jax", j_args, "torch"), ("torch", t_args,
     attempt(f"{caller} -> {backend} step by step",
             lambda: stepwise(f"interop, {caller} caller, {backend} backend, step by step "
                              "(device synchronised between calls)", caller_args, backend))
+
+def results_kept(title):
+    """The crossing calls in a loop that keeps every result alive until the loop's rows are
+    timed, against the same loop dropping each result at the next call: what destroying
+    the previous call's results (arrays over another framework's memory) costs a loop."""
+    section(title)
+    kept = []
+    for caller, caller_args, backend in (("jax", j_args, "torch"), ("torch", t_args, "jax")):
+        def call(caller_args=caller_args, backend=backend):
+            return interop.fused_kv_norm_rope(*caller_args, **STATIC, backend=backend)
+        timed(f"interop, {caller} caller, {backend} backend, results dropped", call)
+        timed(f"interop, {caller} caller, {backend} backend, results kept", lambda call=call: kept.append(call()))
+        kept.clear()
+        synchronize()
+
+
+attempt("results kept", lambda: results_kept("crossing calls: results dropped at the next call, or kept"))
 
 section("the jax backend alone (what a crossing to jax adds to)")
 accepted = spec.accept_call(*j_args, None, None, **STATIC)
