@@ -124,7 +124,7 @@ def fused_kv_norm_rope(
         # Everything is the backend's already: nothing crosses either way, and its results
         # (the outputs given, written in place, or new arrays) are the caller's.
         return tuple(route.module.fused_kv_norm_rope_validated(accepted, *arrays, **in_place))
-    inputs = cross(arrays, route.backend)
+    inputs = cross(arrays, route.backend, one_launch=True)  # read by the backend's launch alone
     in_place = {name: to_framework(out, route.backend) for name, out in in_place.items()}
     results = route.module.fused_kv_norm_rope_validated(accepted, *inputs, **in_place)
     return _deliver((k_out, v_out), results, route.caller, route.backend)

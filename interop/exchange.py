@@ -24,9 +24,11 @@ records an event per tensor; jax waits for each buffer's own ready event). A cal
 moves several arrays does better with :func:`cross`: torch tensors going to jax make
 jax's stream for external buffers wait once, for one event on torch's current stream,
 and are then exported without a handshake of their own (DLPack's ``stream=-1``) and
-imported by jaxlib's own DLPack import (``_import``); jax arrays going to torch are
-exported with torch's current stream looked up once (jax has no stream-wide event to
-wait for: each buffer carries its own, waited for on the device, never on the host).
+imported by jaxlib's own DLPack import (``_import``); where they all go into one launch,
+only the first on each device carries a ready event (:func:`cross`'s ``one_launch``).
+jax arrays going to torch are exported with torch's current stream looked up once (jax
+has no stream-wide event to wait for: each buffer carries its own, waited for on the
+device, never on the host).
 """
 
 from __future__ import annotations
@@ -131,16 +133,24 @@ def to_caller(array, caller: str):
     return importlib.import_module(caller).from_dlpack(array)
 
 
-def cross(arrays: Sequence, framework: str) -> list:
+def cross(arrays: Sequence, framework: str, *, one_launch: bool = False) -> list:
     """``[to_framework(a, framework) for a in arrays]`` (None stays None), with one stream
     handshake for the whole crossing (module docstring). Every array crosses on every
     call: a jax array kept over a torch tensor from an earlier call read stale values on
-    the H200 when torch rewrote the tensor in place (2026-12-01)."""
+    the H200 when torch rewrote the tensor in place (2026-12-01).
+
+    ``one_launch``: the crossed arrays are read by one computation that takes them all
+    (a backend's launch) and by nothing else. Torch tensors going to jax then carry one
+    ready event per device between them, the first tensor's, and the others are
+    imported as ready: that computation waits for every input's event, and the one
+    event comes after all the work queued on torch's stream before the crossing, which
+    includes every write to the others. Arrays handed on separately must not use it.
+    """
     if all(array is None or framework_of(array) == framework for array in arrays):
         return list(arrays)
     if framework == "torch":
         return _cross_to_torch(arrays)
-    return _cross_to_jax(arrays)
+    return _cross_to_jax(arrays, one_launch)
 
 
 def _cross_to_torch(arrays) -> list:
@@ -167,7 +177,7 @@ def _cross_to_torch(arrays) -> list:
 _DLPACK_GPU_DEVICES = (2, 10)  # kDLCUDA, kDLROCM
 
 
-def _cross_to_jax(arrays) -> list:
+def _cross_to_jax(arrays, one_launch: bool) -> list:
     import jax
 
     crossed = [None] * len(arrays)
@@ -179,11 +189,17 @@ def _cross_to_jax(arrays) -> list:
             crossed[index] = to_jax(array)
     ready_streams = {device: _order_jax_after_torch(device)
                      for device in {tensor.device for _, tensor in fresh} if device.type == "cuda"}
+    carried = set()  # the devices whose ready event a tensor of this crossing carries
     for index, tensor in fresh:
         if tensor.device.type == "cuda":
             stream = ready_streams[tensor.device]
-            crossed[index] = (jax.dlpack.from_dlpack(tensor) if stream is None
-                              else _import(tensor, _jax_device(tensor.device.index), stream))
+            if stream is None:
+                crossed[index] = jax.dlpack.from_dlpack(tensor)
+                continue
+            if one_launch and tensor.device in carried:
+                stream = None
+            carried.add(tensor.device)
+            crossed[index] = _import(tensor, _jax_device(tensor.device.index), stream)
         else:
             crossed[index] = _import(tensor, jax.devices("cpu")[0], None)
     return crossed
@@ -191,9 +207,9 @@ def _cross_to_jax(arrays) -> list:
 
 def _import(tensor, device, ready_stream):
     """``jax.dlpack.from_dlpack(tensor)`` for a tensor jax may read once ``ready_stream``
-    (None: at once) has run: exported without a handshake (DLPack's ``stream=-1``, the
-    crossing ordered it) and imported by the jaxlib call that ``from_dlpack`` makes,
-    without ``from_dlpack``'s Python around it (checks a crossing makes once, and an
+    (None: at once) has run: exported without a handshake (DLPack's ``stream=-1``: the
+    crossing ordered it; the CPU has no streams) and imported by the jaxlib call that
+    ``from_dlpack`` makes, without ``from_dlpack``'s Python around it (checks a crossing makes once, and an
     ``asarray`` that changes nothing for dtypes of 32 bits or fewer; what that saves is
     in BENCHMARKS.md). 64-bit dtypes, which jax narrows with x64 off, and a jaxlib whose
     call differs take ``from_dlpack``."""
@@ -202,7 +218,7 @@ def _import(tensor, device, ready_stream):
         _IMPORT_BUFFER = _jaxlib_import_buffer()
     if _IMPORT_BUFFER is not None and tensor.element_size() <= 4:
         try:
-            return _IMPORT_BUFFER(tensor.__dlpack__(stream=-1 if ready_stream else None), device,
+            return _IMPORT_BUFFER(tensor.__dlpack__(stream=-1 if tensor.is_cuda else None), device,
                                   ready_stream, None, _DLPACK_DEVICE_TYPES[device.platform])
         except TypeError:  # another jaxlib's signature: from_dlpack from now on
             _IMPORT_BUFFER = None

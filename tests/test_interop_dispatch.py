@@ -259,6 +259,27 @@ def test_gpu_torch_writes_to_a_weight_between_calls_are_finished_before_jax_read
     assert_bit_exact(v, v_ref)
 
 
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_torch_writes_queued_to_an_input_without_its_own_ready_event_are_finished_before_jax_reads():
+    # A crossing for one launch gives a ready event to the first torch tensor alone: with a
+    # jax kv that is the weight, and the positions written late must still be waited for.
+    inputs = _inputs(**GPU_CASE)
+    late_positions = _inputs(**{**GPU_CASE, "seed": 23}).positions
+    assert not np.array_equal(late_positions, inputs.positions)
+    kv = jax.device_put(inputs.kv)
+    others = [_as_caller(a, "torch") for a in inputs.arrays()[1:]]
+    interop.fused_kv_norm_rope(kv, *others, **STATIC, backend="jax")  # compiled before the race
+    source = to_torch(late_positions).to(DEVICE)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # about 50 ms of a busy stream
+    others[3].copy_(source)  # queued behind the sleep
+    k, v = interop.fused_kv_norm_rope(kv, *others, **STATIC, backend="jax")
+    k_ref, v_ref = fused_kv_norm_rope_reference(*inputs.arrays()[:4], late_positions, **STATIC)
+    assert_close(k, k_ref)
+    assert_bit_exact(v, v_ref)
+
+
 @jax.jit
 def _late_copy(kv, weight):
     """``kv`` again, but only after about 2 TFLOP of fp32 matrix products on jax's stream."""
