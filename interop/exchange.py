@@ -209,10 +209,11 @@ def _import(tensor, device, ready_stream):
     """``jax.dlpack.from_dlpack(tensor)`` for a tensor jax may read once ``ready_stream``
     (None: at once) has run: exported without a handshake (DLPack's ``stream=-1``: the
     crossing ordered it; the CPU has no streams) and imported by the jaxlib call that
-    ``from_dlpack`` makes, without ``from_dlpack``'s Python around it (checks a crossing makes once, and an
-    ``asarray`` that changes nothing for dtypes of 32 bits or fewer; what that saves is
-    in BENCHMARKS.md). 64-bit dtypes, which jax narrows with x64 off, and a jaxlib whose
-    call differs take ``from_dlpack``."""
+    ``from_dlpack`` makes, without ``from_dlpack``'s Python around it (checks a crossing
+    makes once, and an ``asarray`` that changes nothing for dtypes of 32 bits or fewer;
+    what that saves is in BENCHMARKS.md). 64-bit dtypes, which jax narrows with x64 off,
+    and a jaxlib whose call differs take ``from_dlpack`` (with DLPack's own handshake
+    where ``ready_stream`` is None: slower, never less ordered)."""
     global _IMPORT_BUFFER
     if _IMPORT_BUFFER is _UNRESOLVED:
         _IMPORT_BUFFER = _jaxlib_import_buffer()

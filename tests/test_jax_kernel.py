@@ -126,7 +126,7 @@ def test_programs_that_take_every_layer_match_the_reference(monkeypatch, config,
     (256, 5, FusedKVConfig(8, 128, 128, "neox"), False, (1, 8, 2)),
     (4096, 5, FusedKVConfig(2, 256, 256, "neox"), True, (1, 2, 2)),
     (32768, 8, FusedKVConfig(4, 128, 64, "neox"), True, (1, 4, 4)),
-    (2048, 5, FusedKVConfig(2, 256, 256, "neox"), False, None),  # looped, less than a wave
+    (2048, 5, FusedKVConfig(2, 256, 256, "neox"), False, None),  # looped, it would be less than a wave
     (32768, 1, FusedKVConfig(8, 128, 128, "neox"), False, None),  # one layer: nothing to loop over
 ])
 def test_programs_take_every_layer_when_a_wave_of_them_fills_the_gpu(monkeypatch, total_ctx, n_layers, config,

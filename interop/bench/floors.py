@@ -7,9 +7,11 @@ layers' loads in flight), indexed loads and masked stores, with none of the op's
 :func:`copy_kernel` copies K and V of ``kv`` into ``k_out``/``v_out`` unchanged; with
 ``cos_sin=True`` it also loads each token's position and cos/sin row in the kernel's
 indexed form (added to K times zero, which the compiler must keep: ``0 * x`` is not
-``0`` for every float). Where the copy runs at the copy's speed and the kernel does not, the gap is the kernel's work, not the layout or the
-lowering. The ``cos_sin`` variant locates that work rather than bounding it: it loads
-the rows once a program, after the first layers' K and V, where the kernel does.
+``0`` for every float). Where the copy runs at the copy's speed and the kernel does not,
+the gap is the kernel's work, not the layout or the lowering. The ``cos_sin`` variant
+locates that work rather than bounding it: it loads the rows once a program, after
+issuing the first layers' K and V, as the kernel does (the kernel issues its positions
+load before those; this floor after them, a few instructions later).
 """
 
 from __future__ import annotations
