@@ -14,7 +14,10 @@ metadata read once (what any eager launch reads); jaxlib's DLPack import per arr
 step-by-step sections time a crossing interop call's steps (jax->torch, torch->jax)
 inside the call, dropping the results included, where the pieces (timed on arrays kept
 alive) fall short of the whole call; and the same calls in loops that keep every result
-alive, against loops that drop each at the next call.
+alive, against loops that drop each at the next call. The crossing calls are also timed,
+in alternated rounds, against the same work written with the libraries' calls alone: once
+with their public calls, once with the fewest calls a correct crossing makes (the floor
+of a crossing call timed as it runs, in a loop).
 ``--cpu``: a dry run on a machine without a GPU (interpreted kernels).
 """
 
@@ -249,7 +252,7 @@ def torch_to_jax_pieces():
     timed("torch.cuda.current_stream()", torch.cuda.current_stream)
     timed("torch.cuda.Event() + record", lambda: torch.cuda.Event().record())
     timed("the handshake: exchange._order_jax_after_torch (one event)",
-          lambda: exchange._order_jax_after_torch(kv_t.device))
+          lambda: exchange._order_jax_after_torch(kv_t.get_device()))
     timed("jax.dlpack.from_dlpack(kv) (DLPack's own per-tensor handshake)", lambda: jax.dlpack.from_dlpack(kv_t))
     timed("jax.dlpack.from_dlpack(positions)", lambda: jax.dlpack.from_dlpack(positions_t))
     timed("torch kv.__dlpack__(stream=-1) (no handshake)", lambda: kv_t.__dlpack__(stream=-1))
@@ -384,6 +387,79 @@ for round_ in range(2):
               lambda: interop.fused_kv_norm_rope(*t_args, **STATIC, backend="jax"))
 exchange._IMPORT_BUFFER = fast
 
+section("the crossing calls against the same work written by hand with the libraries' public calls, alternated")
+
+
+def by_hand_jax_to_torch():
+    inputs_t = [torch.from_dlpack(array) for array in j_args]
+    k, v = fusedkv_torch.fused_kv_norm_rope(*inputs_t, **STATIC)
+    return jax.dlpack.from_dlpack(k), jax.dlpack.from_dlpack(v)
+
+
+def by_hand_torch_to_jax():
+    inputs_j = [jax.dlpack.from_dlpack(tensor) for tensor in t_args]
+    k, v = fusedkv_jax.fused_kv_norm_rope(*inputs_j, **STATIC)
+    return torch.from_dlpack(k), torch.from_dlpack(v)
+
+
+def library_calls_jax_to_torch(jax_device):
+    """The fewest library calls a correct jax->torch call makes, without interop's own
+    steps: the inputs exported with torch's stream looked up once, the backend's public
+    function, one event for jax to wait on, and each result imported with its own ready
+    event (a result may be read by jax as soon as it is returned)."""
+    stream = torch.cuda.current_stream().cuda_stream or 1
+    inputs_t = [torch.utils.dlpack.from_dlpack(array.__dlpack__(stream=stream)) for array in j_args]
+    k, v = fusedkv_torch.fused_kv_norm_rope(*inputs_t, **STATIC)
+    ready = exchange._order_jax_after_torch(k.get_device())
+    return exchange._import(k, jax_device, ready), exchange._import(v, jax_device, ready)
+
+
+def library_calls_torch_to_jax(jax_device):
+    """The same for torch->jax: one event for jax to wait on, carried by the first input
+    alone (the backend's one launch waits for it), the backend's public function, and
+    the results exported with torch's stream looked up once."""
+    ready = exchange._order_jax_after_torch(t_args[0].get_device())
+    inputs_j = [exchange._import(tensor, jax_device, ready if index == 0 else None)
+                for index, tensor in enumerate(t_args)]
+    k, v = fusedkv_jax.fused_kv_norm_rope(*inputs_j, **STATIC)
+    stream = torch.cuda.current_stream().cuda_stream or 1
+    return (torch.utils.dlpack.from_dlpack(k.__dlpack__(stream=stream)),
+            torch.utils.dlpack.from_dlpack(v.__dlpack__(stream=stream)))
+
+
+def crossing_floors():
+    """What a crossing call's work costs written with the libraries' calls alone, in a loop
+    as the call runs: with the public calls (every array crossed by DLPack's own
+    handshake), and with the fewest calls a correct crossing makes. And what handing a
+    result to jax costs: jaxlib's import of a fresh tensor with the ready event a result
+    must carry, against the same import without one (unordered: timed only, never read)."""
+    check("by hand, jax -> torch", by_hand_jax_to_torch)
+    check("by hand, torch -> jax", by_hand_torch_to_jax)
+    if options.cpu:
+        return
+    jax_device = jax.local_devices(backend="gpu")[0]
+    check("library calls alone, jax -> torch", lambda: library_calls_jax_to_torch(jax_device))
+    check("library calls alone, torch -> jax", lambda: library_calls_torch_to_jax(jax_device))
+    for round_ in range(2):
+        timed(f"round {round_}: interop, jax caller, torch backend",
+              lambda: interop.fused_kv_norm_rope(*j_args, **STATIC, backend="torch"))
+        timed(f"round {round_}: by hand: torch.from_dlpack x5, fusedkv_torch, jax.dlpack.from_dlpack x2",
+              by_hand_jax_to_torch)
+        timed(f"round {round_}: library calls alone, jax -> torch", lambda: library_calls_jax_to_torch(jax_device))
+        timed(f"round {round_}: interop, torch caller, jax backend, fresh outputs",
+              lambda: interop.fused_kv_norm_rope(*t_args, **STATIC, backend="jax"))
+        timed(f"round {round_}: by hand: jax.dlpack.from_dlpack x5, fusedkv_jax, torch.from_dlpack x2",
+              by_hand_torch_to_jax)
+        timed(f"round {round_}: library calls alone, torch -> jax", lambda: library_calls_torch_to_jax(jax_device))
+        timed(f"round {round_}: a result to jax: kv.new_empty + jaxlib import with its ready event",
+              lambda: exchange._import(k_out.new_empty(OUT_SHAPE), jax_device,
+                                       exchange._order_jax_after_torch(k_out.get_device())))
+        timed(f"round {round_}: kv.new_empty + jaxlib import without an event (unordered, never read)",
+              lambda: exchange._import(k_out.new_empty(OUT_SHAPE), jax_device, None))
+
+
+attempt("crossing floors", crossing_floors)
+
 entry_points("entry points again, last (the summary's)")
 
 section("summary: issue #13's bars")
@@ -413,3 +489,15 @@ bar("interop torch->jax", by_name.get("interop, torch caller, jax backend, fresh
 bar("interop jax->torch", by_name.get("interop, jax caller, torch backend"),
     by_name.get("fusedkv_torch.fused_kv_norm_rope, fresh outputs") and
     by_name["fusedkv_torch.fused_kv_norm_rope, fresh outputs"] + 100, "torch call + 100 us")
+for label, ours, by_hand, fewest in (
+        ("jax->torch", "interop, jax caller, torch backend",
+         "by hand: torch.from_dlpack x5, fusedkv_torch, jax.dlpack.from_dlpack x2",
+         "library calls alone, jax -> torch"),
+        ("torch->jax", "interop, torch caller, jax backend, fresh outputs",
+         "by hand: jax.dlpack.from_dlpack x5, fusedkv_jax, torch.from_dlpack x2",
+         "library calls alone, torch -> jax")):
+    rounds = [[by_name.get(f"round {r}: {row}") for row in (ours, by_hand, fewest)] for r in range(2)]
+    if all(None not in values for values in rounds):
+        print(f"interop {label}, by hand with public calls, library calls alone (alternated rounds): "
+              + "; ".join(f"{a:.1f}, {b:.1f}, {c:.1f} us" for a, b, c in rounds)
+              + f"; interop {max(a - c for a, _, c in rounds):+.1f} us over the library calls at most")

@@ -96,10 +96,11 @@ def _jax_holds_int64() -> bool:
 def _torch_for_jax(tensor):
     import torch
 
-    tensor = tensor.detach()
+    if tensor.requires_grad:  # torch exports no tensor that requires grad
+        tensor = tensor.detach()
     if tensor.dtype == torch.int64 and not _jax_holds_int64():
         tensor = tensor.clamp(-1, INT32_MAX).to(torch.int32)
-    if not _compact(tensor):
+    if not (tensor.is_contiguous() or _compact(tensor)):
         tensor = tensor.contiguous()
     return tensor
 
@@ -181,27 +182,29 @@ def _cross_to_jax(arrays, one_launch: bool) -> list:
     import jax
 
     crossed = [None] * len(arrays)
-    fresh = []  # (index, tensor made ready for jax) of the torch tensors
+    fresh = []  # (index, tensor made ready for jax, its CUDA index or None) of the torch tensors
     for index, array in enumerate(arrays):
         if framework_of(array) == "torch":
-            fresh.append((index, _torch_for_jax(array)))
+            tensor = _torch_for_jax(array)
+            fresh.append((index, tensor, tensor.get_device() if tensor.is_cuda else None))
         elif array is not None:
             crossed[index] = to_jax(array)
-    ready_streams = {device: _order_jax_after_torch(device)
-                     for device in {tensor.device for _, tensor in fresh} if device.type == "cuda"}
+    # After every tensor above is made ready for jax: that may queue work on torch's stream.
+    ready_streams = {cuda_index: _order_jax_after_torch(cuda_index)
+                     for cuda_index in {cuda_index for _, _, cuda_index in fresh} if cuda_index is not None}
     carried = set()  # the devices whose ready event a tensor of this crossing carries
-    for index, tensor in fresh:
-        if tensor.device.type == "cuda":
-            stream = ready_streams[tensor.device]
-            if stream is None:
-                crossed[index] = jax.dlpack.from_dlpack(tensor)
-                continue
-            if one_launch and tensor.device in carried:
-                stream = None
-            carried.add(tensor.device)
-            crossed[index] = _import(tensor, _jax_device(tensor.device.index), stream)
-        else:
+    for index, tensor, cuda_index in fresh:
+        if cuda_index is None:
             crossed[index] = _import(tensor, jax.devices("cpu")[0], None)
+            continue
+        stream = ready_streams[cuda_index]
+        if stream is None:
+            crossed[index] = jax.dlpack.from_dlpack(tensor)
+            continue
+        if one_launch and cuda_index in carried:
+            stream = None
+        carried.add(cuda_index)
+        crossed[index] = _import(tensor, _jax_device(cuda_index), stream)
     return crossed
 
 
@@ -260,22 +263,22 @@ class _HandshakeDone:
         return self.tensor.__dlpack__(stream=-1, **kwargs)
 
 
-def _order_jax_after_torch(device):
-    """Make the stream jax takes external buffers' readiness from, on CUDA ``device``, wait
-    for the work queued so far on torch's current stream there: one event, no host wait.
-    Returns that stream: jax records each buffer it then imports as ready on it (after
-    the wait), and its kernels wait for that before reading. None where jax has no such
-    stream (its own ``from_dlpack`` then passes none either), and the tensors take
-    DLPack's handshake."""
+def _order_jax_after_torch(cuda_index: int):
+    """Make the stream jax takes external buffers' readiness from, on CUDA device
+    ``cuda_index``, wait for the work queued so far on torch's current stream there: one
+    event, no host wait. Returns that stream: jax records each buffer it then imports as
+    ready on it (after the wait), and its kernels wait for that before reading. None
+    where jax has no such stream (its own ``from_dlpack`` then passes none either), and
+    the tensors take DLPack's handshake."""
     import torch
 
     try:
-        jax_stream = _jax_device(device.index).get_stream_for_external_ready_events()
+        jax_stream = _jax_device(cuda_index).get_stream_for_external_ready_events()
     except Exception:  # a jax or platform without one: jax's from_dlpack falls back alike
         return None
-    torch_stream = torch.cuda.current_stream(device)
+    torch_stream = torch.cuda.current_stream(cuda_index)
     if torch_stream.cuda_stream != jax_stream:
-        _torch_stream(jax_stream, device.index).wait_stream(torch_stream)
+        _torch_stream(jax_stream, cuda_index).wait_stream(torch_stream)
     return jax_stream
 
 
