@@ -81,8 +81,9 @@ from fusedkv_jax import mosaic_kernel
 _TILE_ELEMENTS = 1024
 # Threads per program: each holds this many elements of the narrowest run of columns a
 # tile loads (a rotary half, or a whole row where loads_k_rows). On the H200 (2026-12-01,
-# in jit) 4 beat 8 by 2-4% in the draft and head_dim-256 shapes and 2 lost by 8% with
-# rotary 64 of 128 (BENCHMARKS.md).
+# in jit, programs of one layer) 4 beat 8 by 2-4% in the draft and head_dim-256 shapes
+# and 2 lost by 8% with rotary 64 of 128 (BENCHMARKS.md; looping programs:
+# _LAYER_LOOP_WIDE_HALF).
 _RUN_ELEMENTS_PER_THREAD = {"neox": 4, "gptj": 16}
 # Below this many programs per multiprocessor a short context leaves the GPU idle, so
 # smaller token blocks are taken instead.
@@ -96,6 +97,12 @@ _ONE_WAVE_PROGRAMS_PER_MULTIPROCESSOR = 16
 # layer: on the H200 (2026-12-01, in jit, 4096 and 32768 tokens) one token of all heads
 # ran as fast as two in head_dim 256 and 2-7% faster in rotary 64 of 128.
 _LAYER_LOOP_TILE_ELEMENTS = 512
+# A program that takes every layer gives each thread twice the elements of a rotary half at
+# least this wide: on the H200 (2026-12-01, eighth session, in jit, 4096 and 32768 tokens)
+# head_dim 256 in runs (halves of 128) ran 6-8% faster on 1 warp than on 2, while the draft
+# shape (halves of 64) ran 2-3% slower on 2 warps than on 4, and rotary 64 of 128 (rows)
+# 3-5% slower (BENCHMARKS.md).
+_LAYER_LOOP_WIDE_HALF = 128
 # Layers whose loads a looping program has issued before it stores one. On the H200
 # (2026-12-01, in jit) 3 lost 1-4% to 2, and all layers 5-11% (registers).
 LAYERS_IN_FLIGHT = 2
@@ -357,6 +364,8 @@ def default_tile(total_ctx: int, n_layers: int, num_kv_heads: int, head_dim: int
         k_rows = loads_k_rows(FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style))
         run = pl.next_power_of_2(head_dim if k_rows else rotary_dim // 2)
         run_elements_per_thread = _RUN_ELEMENTS_PER_THREAD[rope_style]
+        if layer_loop and not k_rows and run >= _LAYER_LOOP_WIDE_HALF:
+            run_elements_per_thread *= 2
         if programs(block_tokens) < enough_programs:
             # Too few programs to fill the GPU: spread each over more threads so more
             # loads are in flight at once.

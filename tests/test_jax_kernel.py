@@ -121,10 +121,12 @@ def test_programs_that_take_every_layer_match_the_reference(monkeypatch, config,
 
 @pytest.mark.parametrize("total_ctx, n_layers, config, looped, tile", [
     # The tiles measured best on the H200 (BENCHMARKS.md, 2026-12-01): one wave of one-layer
-    # programs at 256 tokens on 2 warps; looped programs of one token, 2 warps for head_dim
-    # 256 in runs, 4 for rotary 64 of 128 as rows.
+    # programs at 256 tokens on 2 warps; looped programs of one token, 1 warp for head_dim
+    # 256 in runs (halves of 128), 4 for the draft shape (halves of 64) and for rotary 64
+    # of 128 as rows.
     (256, 5, FusedKVConfig(8, 128, 128, "neox"), False, (1, 8, 2)),
-    (4096, 5, FusedKVConfig(2, 256, 256, "neox"), True, (1, 2, 2)),
+    (4096, 5, FusedKVConfig(2, 256, 256, "neox"), True, (1, 2, 1)),
+    (32768, 5, FusedKVConfig(8, 128, 128, "neox"), True, (1, 8, 4)),
     (32768, 8, FusedKVConfig(4, 128, 64, "neox"), True, (1, 4, 4)),
     (2048, 5, FusedKVConfig(2, 256, 256, "neox"), False, None),  # looped, it would be less than a wave
     (32768, 1, FusedKVConfig(8, 128, 128, "neox"), False, None),  # one layer: nothing to loop over
