@@ -137,6 +137,16 @@ def test_a_crossing_to_jax_gives_what_jax_dlpack_from_dlpack_gives(dtype):
         assert crossed.unsafe_buffer_pointer() == tensor.data_ptr()
 
 
+def test_a_transposed_tensor_crosses_to_jax_without_a_copy():
+    from interop import exchange
+
+    tensor = torch.arange(24, dtype=torch.float32, device=DEVICE).reshape(4, 6).t()
+    assert not tensor.is_contiguous()
+    (crossed,) = exchange.cross([tensor], "jax")
+    assert crossed.unsafe_buffer_pointer() == tensor.data_ptr()
+    assert_bit_exact(crossed, tensor.cpu().numpy())
+
+
 def test_column_sliced_kv_view_reaches_jax_correctly():
     inputs = _inputs(seed=10)
     workspace = torch.zeros(5, 2, 2 * 2 * 32 + 16, dtype=torch.bfloat16, device=DEVICE)
