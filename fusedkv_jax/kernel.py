@@ -278,8 +278,9 @@ def _fused_kv_norm_rope_kernel(
     cos_sin_ok = rotation_ok & frequencies_ok[None, :]
     # The table is small and read again by every call, while kv and the outputs pass through
     # L2 once: kept there, the position -> cos/sin chain that a program's first stores wait
-    # on is shorter (H200, in jit, rotary 64 of 128: 1-2% faster at 4096 and 32768 tokens;
-    # BENCHMARKS.md, ninth session).
+    # on is shorter. On the H200 (in jit, rotary 64 of 128, 4096 tokens) that was 0.6% on
+    # average over six paired rounds, and moved the median of copy from 89.5% to 90.9%
+    # (BENCHMARKS.md, ninth session).
     cos = _load(cos_sin_ref.at[position_index, frequency_index], mask=cos_sin_ok, other=1.0,
                 eviction_policy="evict_last")[:, None, :]
     sin = _load(cos_sin_ref.at[position_index, rotary_dim // 2 + frequency_index], mask=cos_sin_ok, other=0.0,
