@@ -279,8 +279,8 @@ def _fused_kv_norm_rope_kernel(
     # The table is small and read again by every call, while kv and the outputs pass through
     # L2 once: kept there, the position -> cos/sin chain that a program's first stores wait
     # on is shorter. On the H200 (in jit, rotary 64 of 128, 4096 tokens) that was 0.6% on
-    # average over six paired rounds, and moved the median of copy from 89.5% to 90.9%
-    # (BENCHMARKS.md, ninth session).
+    # average over six paired rounds, and moved the median share of torch's copy from 89.5%
+    # (19 rounds) to 90.8% (18; BENCHMARKS.md, ninth session).
     cos = _load(cos_sin_ref.at[position_index, frequency_index], mask=cos_sin_ok, other=1.0,
                 eviction_policy="evict_last")[:, None, :]
     sin = _load(cos_sin_ref.at[position_index, rotary_dim // 2 + frequency_index], mask=cos_sin_ok, other=0.0,
