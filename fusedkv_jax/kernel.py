@@ -60,7 +60,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from fusedkv_jax.partitioning import partitioned
 from interop.exchange import narrow_for_jax
-from interop.reference import FP8_E4M3_MAX, SMALLEST_NORMAL_FP32
+from interop.reference import FP8_E4M3_MAX, FP8_SCALE_MAX, FP8_SCALE_MIN, SMALLEST_NORMAL_FP32
 from interop.spec import (
     AcceptedCall,
     CallShape,
@@ -131,6 +131,30 @@ def _inverse_rms(sum_squares, eps, head_dim: int, position_ok):
     mean_square_eps = sum_squares / head_dim + eps
     inv_rms = jnp.where(mean_square_eps < SMALLEST_NORMAL_FP32, 0.0, jax.lax.rsqrt(mean_square_eps))
     return jnp.where(position_ok[:, None, None] & (sum_squares < jnp.inf), inv_rms, jnp.nan)
+
+
+def _divide(values, scale, *, interpret: bool):
+    """The correctly rounded fp32 ``values / scale``, which neither lowering's ``/`` is:
+    Triton's is approximate on the GPU, and XLA turns a division by a broadcast scalar into
+    a product with its reciprocal (an opaque broadcast keeps it a division)."""
+    divisor = jnp.broadcast_to(scale, values.shape)
+    if interpret:
+        return values / jax.lax.optimization_barrier(divisor)
+    [quotient] = plgpu.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;", args=[values, divisor], constraints="=r,r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(values.shape, jnp.float32)])
+    return quotient
+
+
+def _quantize(values, scale, *, interpret: bool):
+    """fp32 values as an fp8 cache holds them (interop.reference): ``values / scale``
+    saturated to +-448, NaN kept, and NaN for a scale outside its range."""
+    values = _divide(values, scale, interpret=interpret)
+    # Comparisons, not jnp.clip: the Triton lowering's min/max (minnumf/maxnumf) would turn
+    # the NaN of a poisoned row into 448.
+    values = jnp.where(values > FP8_E4M3_MAX, FP8_E4M3_MAX,
+                       jnp.where(values < -FP8_E4M3_MAX, -FP8_E4M3_MAX, values))
+    return jnp.where((scale >= FP8_SCALE_MIN) & (scale <= FP8_SCALE_MAX), values, jnp.nan)
 
 
 def _halves_frequencies(rotary_dim: int):
@@ -213,7 +237,7 @@ def _fused_kv_norm_rope_kernel(
     kv_ref, weight_ref, eps_ref, cos_sin_ref, positions_ref, *refs,
     num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str, k_rows: bool,
     block_tokens: int, block_layers: int, block_heads: int, slotted: bool, k_quantized: bool,
-    v_quantized: bool,
+    v_quantized: bool, interpret: bool,
 ):
     """One ``[block_tokens, block_heads, head_dim]`` tile of K and V for each of
     ``block_layers`` layers, which share the tile's cos/sin rows.
@@ -301,11 +325,7 @@ def _fused_kv_norm_rope_kernel(
         for out_ref, scale_ref, (columns, value, columns_ok) in pieces:
             if scale_ref is not None:
                 scale = _load(scale_ref.at[layer], mask=None, other=None)
-                value = value.astype(jnp.float32) / scale
-                # Comparisons, not jnp.clip: the Triton lowering's min/max (minnumf/maxnumf)
-                # would turn the NaN of a poisoned row into 448.
-                value = jnp.where(value > FP8_E4M3_MAX, FP8_E4M3_MAX,
-                                  jnp.where(value < -FP8_E4M3_MAX, -FP8_E4M3_MAX, value))
+                value = _quantize(value.astype(jnp.float32), scale, interpret=interpret)
             _store(out_ref.at[layer, row_index, heads[None, :, None], columns[None, None, :]],
                    value, mask=store_ok & columns_ok[None, None, :])
 
@@ -452,7 +472,7 @@ def _pallas_launch(kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_de
         rotary_dim=config.rotary_dim, rope_style=config.rope_style, k_rows=k_rows,
         block_tokens=block_tokens, block_layers=block_layers, block_heads=block_heads,
         slotted=slots is not None, k_quantized=k_scale is not None,
-        v_quantized=v_scale is not None,
+        v_quantized=v_scale is not None, interpret=interpret,
     )
     grid = (pl.cdiv(total_ctx, block_tokens), n_layers // block_layers, pl.cdiv(config.num_kv_heads, block_heads))
     return pl.pallas_call(
@@ -477,8 +497,12 @@ def on_cpu(kv) -> bool:
 
 def _on_default_device(array):
     """A host (NumPy) array where jax computes on it, so that ``kv`` and the buffers it
-    writes are checked on the device the kernel runs on rather than the host."""
-    return jnp.asarray(array) if isinstance(array, np.ndarray) else array
+    writes are checked on the device the kernel runs on rather than the host. One jax
+    would hold in another dtype (float64 and int64 with x64 off) stays as given, so that
+    validation refuses the dtype the caller passed instead of computing in another."""
+    if isinstance(array, np.ndarray) and jax.dtypes.canonicalize_dtype(array.dtype) == array.dtype:
+        return jnp.asarray(array)
+    return array
 
 
 def fused_kv_norm_rope(
@@ -587,7 +611,7 @@ def fused_kv_norm_rope_validated(accepted: AcceptedCall, kv, k_norm_weight, eps,
     options = _launch_options(call, kv, block_tokens, block_heads, num_warps, interpret)
     lowering = _lowering(lowering, call, kv.dtype, options["interpret"],
                          tuned=(block_tokens, block_heads, num_warps) != (None, None, None))
-    if call.total_ctx == 0:
+    if call.total_ctx == 0 or call.n_layers == 0:
         empty = jnp.empty(call.output_shape, kv.dtype)
         return (empty if k_out is None else k_out), (empty if v_out is None else v_out)
     positions = narrow_for_jax(positions)
@@ -705,7 +729,7 @@ def fused_kv_norm_rope_into_cache(
     ).shape
     check_output_buffers(given_kv, caches)
     options = _launch_options(call, kv, block_tokens, block_heads, num_warps, interpret)
-    if call.total_ctx == 0:
+    if call.total_ctx == 0 or call.n_layers == 0 or k_cache.shape[1] == 0:  # nothing to write
         return k_cache, v_cache
     positions = narrow_for_jax(positions)
     cache_loc = narrow_for_jax(cache_loc)

@@ -36,11 +36,13 @@ import triton
 import triton.language as tl
 
 from fusedkv_torch.launcher import DirectLauncher
-from interop.reference import FP8_E4M3_MAX, SMALLEST_NORMAL_FP32
+from interop.reference import FP8_E4M3_MAX, FP8_SCALE_MAX, FP8_SCALE_MIN, SMALLEST_NORMAL_FP32
 from interop.spec import FusedKVConfig, size_argument, tile_argument
 
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 _SMALLEST_NORMAL = tl.constexpr(SMALLEST_NORMAL_FP32)
+_FP8_SCALE_MIN = tl.constexpr(FP8_SCALE_MIN)
+_FP8_SCALE_MAX = tl.constexpr(FP8_SCALE_MAX)
 
 
 @triton.jit
@@ -79,15 +81,16 @@ def _store_rotary_halves(base_ptrs, stride, first, second, mask, TOKENS: tl.cons
 
 @triton.jit
 def _to_destination(values, scale, inverse_scale, dtype: tl.constexpr, QUANTIZE: tl.constexpr):
-    """fp32 values in the destination dtype; an fp8 cache holds ``values / scale`` saturated.
+    """fp32 values in the destination dtype; an fp8 cache holds ``values / scale`` saturated,
+    or NaN where the scale is outside ``[FP8_SCALE_MIN, FP8_SCALE_MAX]`` (interop.reference).
 
     The quotient is the correctly rounded ``values / scale`` of the reference, without a
     division per element (an IEEE division is a dozen instructions and a branch, enough
     to make the fp8 path compute-bound): ``q = values * (1/scale)`` is within an ulp, and
     one Newton step from the exact residual ``values - q*scale`` (an fma) rounds to the
-    correctly rounded quotient when ``1/scale`` is itself correctly rounded (Markstein's
-    theorem; checked against fp64 division on 8e7 random values). Where the step gives
-    NaN (an infinite quotient) the plain product is kept, so it saturates as the reference.
+    correctly rounded quotient when ``1/scale`` is itself correctly rounded and normal
+    (Markstein's theorem), which the scale's range ensures. Where the step gives NaN (an
+    infinite quotient) the plain product is kept, so it saturates as the reference.
     """
     if QUANTIZE:
         quotient = values * inverse_scale
@@ -95,6 +98,7 @@ def _to_destination(values, scale, inverse_scale, dtype: tl.constexpr, QUANTIZE:
         values = tl.where(refined != refined, quotient, refined)
         # Comparisons rather than min/max, which would turn the NaN of a bad position into 448.
         values = tl.where(values > _FP8_MAX, _FP8_MAX, tl.where(values < -_FP8_MAX, -_FP8_MAX, values))
+        values = tl.where((scale >= _FP8_SCALE_MIN) & (scale <= _FP8_SCALE_MAX), values, float("nan"))
     return values.to(dtype)
 
 

@@ -70,7 +70,7 @@ class PreparedCall:
             k_out = kv.new_empty(call.output_shape)
         if v_out is None:
             v_out = kv.new_empty(call.output_shape)
-        if call.total_ctx == 0:
+        if call.total_ctx == 0 or call.n_layers == 0:
             return k_out, v_out
         if self.plan is None:
             config = call.config
@@ -86,7 +86,7 @@ class PreparedCall:
                           k_scale, v_scale) -> tuple[torch.Tensor, torch.Tensor]:
         """The op into a cache on the arguments :func:`prepare_cache_call` accepted."""
         call = self.call
-        if call.total_ctx == 0:
+        if call.total_ctx == 0 or call.n_layers == 0 or k_cache.shape[1] == 0:  # nothing to write
             return k_cache, v_cache
         device = kv.device
         if positions.device != device:

@@ -21,7 +21,12 @@ Edge values, the same in the reference and both kernels (README, "Edge values"):
 - Otherwise IEEE arithmetic of the formula: the unrotated tail (dims ``>=
   rotary_dim``) is ``kn`` itself, so an fp32 overflow there is +-Inf, not NaN; an
   fp16/bf16 result beyond the dtype's range rounds to +-Inf; a float8_e4m3fn cache
-  saturates +-Inf and every quotient beyond the range to +-448 and keeps NaN.
+  holds the correctly rounded fp32 quotient ``value / scale`` rounded once to fp8,
+  +-Inf and every quotient beyond the range saturated to +-448, NaN kept.
+- An fp8 scale outside ``[2**-100, 2**100]`` (zero, negative, NaN, Inf, a denormal,
+  or merely extreme) has no quantization every implementation computes alike (a
+  reciprocal overflows, a CPU flushes denormals): the entries it would quantize
+  are NaN, without the device-to-host sync that raising would need.
 """
 
 from __future__ import annotations
@@ -94,7 +99,8 @@ def fused_kv_norm_rope_into_cache_reference(
         ``[0, num_slots)`` (negative ones are padding) are skipped.
       k_cache, v_cache: dtype-of-kv or float8_e4m3fn[n_layers, num_slots, num_kv_heads, head_dim].
       k_scale, v_scale: fp32[n_layers], only for a float8_e4m3fn cache: the cache holds
-        ``value / scale`` saturated to +-448, rounded once from fp32.
+        ``value / scale`` saturated to +-448, rounded once from fp32; a layer whose scale
+        lies outside ``[FP8_SCALE_MIN, FP8_SCALE_MAX]`` gets NaN entries.
     """
     kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache = (
         as_numpy(a) for a in (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc,
@@ -112,16 +118,29 @@ def fused_kv_norm_rope_into_cache_reference(
     written = (slots >= 0) & (slots < k_cache.shape[1])
     for cache, values, scale in ((k_cache, k, k_scale), (v_cache, v.astype(np.float32), v_scale)):
         if scale is not None:
+            layer_scale = scale.astype(np.float32)[:, None, None, None]
             # np.clip keeps NaN; +-Inf saturate like every other quotient beyond the range.
-            with np.errstate(over="ignore", invalid="ignore"):
-                values = np.clip(values / scale.astype(np.float32)[:, None, None, None],
-                                 -FP8_E4M3_MAX, FP8_E4M3_MAX)
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                values = np.clip(values / layer_scale, -FP8_E4M3_MAX, FP8_E4M3_MAX)
+            values = np.where(fp8_scale_ok(layer_scale), values, np.float32(np.nan))
         with np.errstate(over="ignore", invalid="ignore"):
             cache[:, slots[written]] = values[:, written].astype(cache.dtype)
     return k_cache, v_cache
 
 
 FP8_E4M3_MAX = 448.0
+# The fp8 scales whose quotient every implementation computes alike: the reciprocal is a
+# normal fp32, and a denormal value (which a CPU flushes) over any of them is below fp8's
+# smallest code, so it rounds to zero either way.
+FP8_SCALE_MIN = 2.0 ** -100
+FP8_SCALE_MAX = 2.0 ** 100
+
+
+def fp8_scale_ok(scale):
+    """Whether an fp8 scale is in ``[FP8_SCALE_MIN, FP8_SCALE_MAX]`` (NaN is not)."""
+    return (scale >= np.float32(FP8_SCALE_MIN)) & (scale <= np.float32(FP8_SCALE_MAX))
+
+
 # Below this fp32 mean(k*k) + eps a K head comes out zeros (module docstring).
 SMALLEST_NORMAL_FP32 = 2.0 ** -126
 

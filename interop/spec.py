@@ -345,7 +345,8 @@ def check_output_buffers(kv, outputs) -> None:
     elements, one address); memory shared with ``kv`` or with an earlier output (the
     same array twice included). Only the elements matter: two interleaved views of
     one pool (K and V of a layer side by side) are disjoint and pass. jax arrays are
-    never written in place, so for them only the same array twice is refused.
+    never written in place, so for them only the same array twice is refused. An
+    output without elements (no layers, tokens or slots) holds no memory and passes.
 
     Reads addresses, strides and sizes, no device work. It runs on every call, so the
     common case is a few attribute reads per array: buffers whose allocations (a torch
@@ -359,6 +360,8 @@ def check_output_buffers(kv, outputs) -> None:
             continue
         if seen is None:
             seen = [] if kv is None else [("kv", kv, _extent(kv, framework_of(kv)))]
+        if 0 in _shape(out):  # no element: nothing to write, no memory to share
+            continue
         framework = framework_of(out)
         if framework == "numpy" and not out.flags.writeable:
             raise ValueError(

@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 
 from backends import host
-from cases import FP8, CacheCase, Call, OpCase, check_cache_case, check_op_case, forgive_interpreters_fp8_nan, poisoned
+from cases import (FP8, CacheCase, Call, OpCase, check_cache_case, check_op_case, forgive_interpreters_fp8_nan,
+                   forgive_interpreters_fp8_ties, poisoned)
 from interop.arrays import numpy_dtype
-from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
+from interop.reference import (FP8_SCALE_MAX, FP8_SCALE_MIN, fused_kv_norm_rope_into_cache_reference,
+                               fused_kv_norm_rope_reference)
 from interop.spec import FusedKVConfig, device_name
-from interop.testing import assert_bit_exact, assert_close, assert_fp8_close, compare, random_inputs
+from interop.testing import Tolerance, assert_bit_exact, assert_close, assert_fp8_close, compare, random_inputs
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -186,6 +188,17 @@ class TestOp:
         assert k.shape == v.shape == (3, 0, 2, 64)
         assert host(k).dtype == host(v).dtype == numpy_dtype("bfloat16")
         assert device_name(k) == device_name(v) == backend.device_name
+
+    def test_no_layers_give_empty_outputs_with_and_without_given_outputs(self, backend):
+        config = FusedKVConfig(2, 16, 16)
+        inputs = random_inputs(config, n_layers=0, total_ctx=3, max_position=16)
+        k, v = backend.kernel.fused_kv_norm_rope(*(backend.put(a) for a in inputs.arrays()), **static(config))
+        assert k.shape == v.shape == (0, 3, 2, 16)
+        assert device_name(k) == device_name(v) == backend.device_name
+        empty = poisoned((0, 3, 2, 16), "bfloat16", seed=3)
+        k, v = backend.kernel.fused_kv_norm_rope(*(backend.put(a) for a in inputs.arrays()), **static(config),
+                                                 k_out=backend.put(empty), v_out=backend.put(empty.copy()))
+        assert host(k).shape == host(v).shape == (0, 3, 2, 16)
 
     # Edge values (README, "Edge values"): each against the reference and the rule itself.
 
@@ -368,6 +381,61 @@ class TestCacheOp:
         (k, v), _ = run_cache_op(backend, inputs.arrays(), np.zeros(0, np.int32), k_before, v_before, config)
         assert_bit_exact(k, k_before, name="k_cache")
         assert_bit_exact(v, v_before, name="v_cache")
+
+    def test_caches_without_slots_or_layers_are_accepted_and_nothing_is_written(self, backend):
+        config = FusedKVConfig(2, 16, 16)
+        for n_layers, num_slots in ((2, 0), (0, 4)):
+            inputs = random_inputs(config, n_layers=n_layers, total_ctx=3, max_position=16)
+            k_before = poisoned((n_layers, num_slots, 2, 16), "bfloat16", seed=4)
+            v_before = poisoned((n_layers, num_slots, 2, 16), "bfloat16", seed=5)
+            (k, v), (expected_k, expected_v) = run_cache_op(backend, inputs.arrays(), np.array([0, 1, -1]),
+                                                            k_before, v_before, config)
+            assert_bit_exact(k, expected_k, name="k_cache")
+            assert_bit_exact(v, expected_v, name="v_cache")
+
+
+    @ieee_edge
+    def test_fp8_v_codes_are_the_correctly_rounded_quotient_at_every_scale_in_range(self, backend):
+        # One layer per scale: a short decimal (XLA's division by a broadcast scalar is a
+        # product with its reciprocal, a code off), the range's ends (a reciprocal of 2**100
+        # and more), and a random mantissa near each end. V spans codes around its scale.
+        scales = np.array([0.9, FP8_SCALE_MIN, FP8_SCALE_MAX, FP8_SCALE_MIN * 1.37, FP8_SCALE_MAX / 1.37],
+                          np.float32)
+        config = FusedKVConfig(2, 64, 64, "neox")
+        inputs = random_inputs(config, n_layers=len(scales), total_ctx=8, max_position=64, seed=29)
+        rng = np.random.default_rng(29)
+        magnitudes = np.exp2(rng.uniform(-6, 9.5, size=(8, len(scales), config.kv_size)))
+        signs = rng.choice([-1.0, 1.0], size=magnitudes.shape)
+        v = (signs * magnitudes * scales[None, :, None].astype(np.float64)).astype(numpy_dtype("bfloat16"))
+        if not backend.triton_interpreter:  # it converts quotients below 2**-9 wrongly (README)
+            v[0, :, :4] = np.float32(1e-39) * np.array([1, -1, 3, -3], np.float32)  # denormals: code 0
+        inputs.kv[:, :, config.kv_size:] = v
+        slots = np.arange(8)
+        before = poisoned((len(scales), 8, 2, 64), FP8, seed=29)
+        (_, got), (_, expected) = run_cache_op(backend, inputs.arrays(), slots, before, before, config,
+                                               k_scale=scales, v_scale=scales)
+        if backend.triton_interpreter:
+            got = forgive_interpreters_fp8_ties(got, expected, v.astype(np.float32).transpose(1, 0, 2)
+                                                .reshape(expected.shape) / scales[:, None, None, None])
+        exact = Tolerance(ulps=0, atol=0.0, reason="the one correctly rounded quotient, rounded once")
+        assert_close(got, expected, name="v", tolerance=exact, triton_interpreter=backend.triton_interpreter)
+
+    @ieee_edge
+    def test_fp8_scale_outside_its_range_writes_nan_for_that_layer_only(self, backend):
+        scales = np.array([1e-40, 0.0, -0.5, np.inf, np.nan, FP8_SCALE_MAX * 2, FP8_SCALE_MIN / 2, 0.0371],
+                          np.float32)
+        config = FusedKVConfig(1, 16, 16, "neox")
+        inputs = random_inputs(config, n_layers=len(scales), total_ctx=3, max_position=64, seed=30)
+        slots = np.array([2, 0, 3], np.int32)
+        before = poisoned((len(scales), 4, 1, 16), FP8, seed=30)
+        (k, v), (expected_k, expected_v) = run_cache_op(backend, inputs.arrays(), slots, before, before, config,
+                                                        k_scale=scales, v_scale=scales)
+        assert np.isnan(expected_v[:-1, slots].astype(np.float32)).all()
+        assert not np.isnan(expected_v[-1, slots].astype(np.float32)).any()
+        if backend.triton_interpreter:
+            k, v = forgive_interpreters_fp8_nan(k, expected_k), forgive_interpreters_fp8_nan(v, expected_v)
+        assert_fp8_close(k, expected_k, triton_interpreter=backend.triton_interpreter)
+        assert_fp8_close(v, expected_v, name="v", triton_interpreter=backend.triton_interpreter)
 
 
 class TestCacheOpInterpreted(TestCacheOp):

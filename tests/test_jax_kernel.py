@@ -48,6 +48,27 @@ def _poisoned(shape, dtype):
     return jnp.full(shape, jnp.nan, dtype)
 
 
+def test_numpy_arrays_jax_would_hold_in_another_dtype_are_refused_with_the_dtype_given():
+    config = FusedKVConfig(2, 16, 16)
+    kv, weight, eps, table, positions = _inputs(config, n_layers=2, total_ctx=3, seed=40)
+    shape = (2, 3, 2, 16)
+    with pytest.raises(ValueError, match=re.escape(
+            "Invalid kv dtype for fused KV materialization: got float64, expected one of "
+            "('bfloat16', 'float16', 'float32').")):
+        fused_kv_norm_rope(kv.astype(np.float64), weight, eps, table, positions, **_static(config))
+    out = np.zeros(shape, np.float64)
+    with pytest.raises(ValueError, match=r"Invalid k_out device/dtype for fused KV materialization: got "
+                                         r"device=cpu, dtype=float64, expected device=\S+, dtype=bfloat16\."):
+        fused_kv_norm_rope(kv, weight, eps, table, positions, **_static(config), k_out=out)
+    for dtype in (np.float64, np.int64):
+        cache = np.zeros((2, 4, 2, 16), dtype)
+        with pytest.raises(ValueError, match=rf"Invalid k_cache device/dtype for fused KV materialization: got "
+                                             rf"device=cpu, dtype={np.dtype(dtype).name}, "):
+            fused_kv_norm_rope_into_cache(kv, weight, eps, table, positions, np.arange(3), cache,
+                                          np.zeros((2, 4, 2, 16), kv.dtype), **_static(config))
+    assert not out.any()
+
+
 def test_int64_positions_and_float64_weights_with_x64_enabled():
     config = FusedKVConfig(2, 16, 12, "gptj")
     host = _inputs(config, n_layers=2, total_ctx=4, position_dtype="int64", weight_dtype="float64", seed=18)
