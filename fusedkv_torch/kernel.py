@@ -102,11 +102,96 @@ def _to_destination(values, scale, inverse_scale, dtype: tl.constexpr, QUANTIZE:
     return values.to(dtype)
 
 
+@triton.jit
+def _tile_of_program(total_ctx, N_LAYERS: tl.constexpr, NUM_HEADS: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_HEADS: tl.constexpr):
+    """``(layer, tokens, heads)`` of this program: one axis of (token block, layer, head
+    group), head group fastest, so adjacent programs read adjacent bytes of ``kv``.
+
+    int64 from the start: offsets into kv or a cache pass 2**31 elements in long contexts.
+    """
+    pid = tl.program_id(0).to(tl.int64)
+    head_groups: tl.constexpr = NUM_HEADS // BLOCK_HEADS
+    layer = (pid // head_groups) % N_LAYERS
+    tokens = (pid // (head_groups * N_LAYERS)) * BLOCK_T + tl.arange(0, BLOCK_T)
+    heads = ((pid % head_groups) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS))[None, :, None]
+    return layer, tokens, heads
+
+
+@triton.jit
+def _destination_rows(tokens, in_context, slots_ptr, slots_stride, num_slots, SLOTTED: tl.constexpr):
+    """``(rows, written)``: row ``t`` for token ``t``, or its cache slot, skipped outside the cache."""
+    if SLOTTED:
+        rows = tl.load(slots_ptr + tokens * slots_stride, mask=in_context, other=-1).to(tl.int64)
+        return rows, in_context & (rows >= 0) & (rows < num_slots)
+    return tokens, in_context
+
+
+@triton.jit
+def _load_head_rows(row_ptrs, stride, mask, TOKENS: tl.constexpr, HEADS: tl.constexpr, PAIR_BLOCK: tl.constexpr,
+                    TAIL_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
+                    GPTJ: tl.constexpr):
+    """fp32 ``(first, second, tail)`` of head rows: the two members of every rotated pair and
+    the unrotated dims past ``ROTARY_DIM`` (0.0 where there are none)."""
+    first, second = _load_rotary_halves(row_ptrs, stride, mask, TOKENS, HEADS, PAIR_BLOCK, ROTARY_DIM, GPTJ)
+    tail = 0.0
+    if TAIL_BLOCK > 0:
+        tail_dims = ROTARY_DIM + tl.arange(0, TAIL_BLOCK)[None, None, :]
+        tail = tl.load(row_ptrs + tail_dims * stride, mask=mask & (tail_dims < HEAD_DIM), other=0.0).to(tl.float32)
+    return first, second, tail
+
+
+@triton.jit
+def _inverse_rms(first, second, tail, eps, rotatable, HEAD_DIM: tl.constexpr, TAIL_BLOCK: tl.constexpr):
+    """``rsqrt(mean(k*k) + eps)`` per head row, with the edge values of interop.reference:
+    zeros where there is no scale to normalize by (rsqrt flushes denormals, hence a
+    threshold), NaN where the sum of squares is not finite or the token has no rotation."""
+    sum_squares = tl.sum(first * first, 2) + tl.sum(second * second, 2)
+    if TAIL_BLOCK > 0:
+        sum_squares += tl.sum(tail * tail, 2)
+    # A product with the constant 1/HEAD_DIM, exact for powers of two and otherwise within
+    # an fp32 ulp of the mean: a division would add a slow-path branch for nothing.
+    mean_square_eps = sum_squares * (1.0 / HEAD_DIM) + eps
+    inv_rms = tl.where(mean_square_eps < _SMALLEST_NORMAL, 0.0, tl.math.rsqrt(mean_square_eps))
+    return tl.where(rotatable[:, None] & (sum_squares < float("inf")), inv_rms, float("nan"))[:, :, None]
+
+
+@triton.jit
+def _rotate(first, second, cos, sin):
+    """RoPE of every pair ``(first, second)``."""
+    return first * cos - second * sin, second * cos + first * sin
+
+
+@triton.jit
+def _layer_scale(scale_ptr, layer, stride, QUANTIZED: tl.constexpr):
+    """``(scale, 1/scale)`` of the layer's fp8 cache; ones for a cache that is not fp8."""
+    if QUANTIZED:
+        scale = tl.load(scale_ptr + layer * stride)
+        return scale, tl.div_rn(1.0, scale)
+    return 1.0, 1.0
+
+
+@triton.jit
+def _store_head_rows(row_ptrs, stride, first, second, tail, mask, scale, inverse_scale,
+                     TOKENS: tl.constexpr, HEADS: tl.constexpr, PAIR_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, GPTJ: tl.constexpr,
+                     QUANTIZED: tl.constexpr):
+    """:func:`_load_head_rows`'s pieces, each in the destination's dtype (:func:`_to_destination`)."""
+    dtype = row_ptrs.dtype.element_ty
+    _store_rotary_halves(row_ptrs, stride, _to_destination(first, scale, inverse_scale, dtype, QUANTIZED),
+                         _to_destination(second, scale, inverse_scale, dtype, QUANTIZED), mask,
+                         TOKENS, HEADS, PAIR_BLOCK, ROTARY_DIM, GPTJ)
+    if TAIL_BLOCK > 0:
+        tail_dims = ROTARY_DIM + tl.arange(0, TAIL_BLOCK)[None, None, :]
+        tl.store(row_ptrs + tail_dims * stride, _to_destination(tail, scale, inverse_scale, dtype, QUANTIZED),
+                 mask=mask & (tail_dims < HEAD_DIM))
+
+
 @triton.jit(do_not_specialize=["total_ctx", "max_position", "num_slots"])
 def _fused_kv_norm_rope_kernel(
     # Tensors, then sizes, then strides, then constexprs: the order DirectLauncher expects.
     kv_ptr, k_norm_weight_ptr, eps_ptr, cos_sin_ptr, positions_ptr, slots_ptr,
-    k_dst_ptr, v_dst_ptr, k_scale_ptr, v_scale_ptr,
+    k_dest_ptr, v_dest_ptr, k_scale_ptr, v_scale_ptr,
     total_ctx, max_position, num_slots,
     kv_stride_t, kv_stride_l, kv_stride_d,
     weight_stride_l, weight_stride_d, eps_stride, cos_sin_stride_p, cos_sin_stride_d,
@@ -114,118 +199,65 @@ def _fused_kv_norm_rope_kernel(
     k_stride_l, k_stride_row, k_stride_h, k_stride_d,
     v_stride_l, v_stride_row, v_stride_h, v_stride_d,
     N_LAYERS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
-    GPTJ: tl.constexpr, TO_SLOTS: tl.constexpr, QUANTIZE_K: tl.constexpr, QUANTIZE_V: tl.constexpr,
+    GPTJ: tl.constexpr, SLOTTED: tl.constexpr, K_QUANTIZED: tl.constexpr, V_QUANTIZED: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HEADS: tl.constexpr,
     PAIR_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, HEAD_BLOCK: tl.constexpr,
     DEPENDENT_LAUNCH: tl.constexpr,
 ):
+    """One ``[BLOCK_T tokens, BLOCK_HEADS heads, head_dim]`` tile of one layer's K and V.
+
+    Every load is issued before any store (destinations might alias inputs as far as the
+    compiler knows, so it would not move a load past a store), and none waits on another
+    but the cos/sin rows on their positions.
+    """
     if DEPENDENT_LAUNCH:
-        # Launched with programmatic dependent launch, possibly before the kernel ahead of it
-        # has finished: let the kernel behind start launching now, and read nothing until
-        # the one ahead (which may have written any input) has finished and flushed.
+        # Let the kernel behind start launching now; read nothing until the one ahead (which
+        # may have written any input) has finished and flushed.
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    # Tiles are [BLOCK_T tokens, BLOCK_HEADS heads, dims]: every load of the program is
-    # issued before any store, whatever the number of heads (a loop over heads could not
-    # move the next head's loads above this head's stores, which might alias them).
-    # int64 from the start: offsets into kv or a cache pass 2**31 elements in long contexts.
-    pid = tl.program_id(0).to(tl.int64)
-    head_groups: tl.constexpr = NUM_HEADS // BLOCK_HEADS
-    head_group = pid % head_groups
-    layer = (pid // head_groups) % N_LAYERS
-    tokens = (pid // (head_groups * N_LAYERS)) * BLOCK_T + tl.arange(0, BLOCK_T)
+    layer, tokens, heads = _tile_of_program(total_ctx, N_LAYERS, NUM_HEADS, BLOCK_T, BLOCK_HEADS)
     in_context = tokens < total_ctx
-    heads = (head_group * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS))[None, :, None]
-
-    # Loads are masked by the context only and issued early, so no load waits on another
-    # (rows skipped in a cache are read for nothing; padding is rare). Stores use `written`.
-    positions = tl.load(positions_ptr + tokens * positions_stride, mask=in_context, other=0).to(tl.int64)
-    if TO_SLOTS:
-        rows = tl.load(slots_ptr + tokens * slots_stride, mask=in_context, other=-1).to(tl.int64)
-        written = in_context & (rows >= 0) & (rows < num_slots)
-    else:
-        rows = tokens
-        written = in_context
     loaded = in_context[:, None, None]
-    written = written[:, None, None]
-    rows = rows[:, None, None]
+    positions = tl.load(positions_ptr + tokens * positions_stride, mask=in_context, other=0).to(tl.int64)
+    rows, written = _destination_rows(tokens, in_context, slots_ptr, slots_stride, num_slots, SLOTTED)
+    rows, written = rows[:, None, None], written[:, None, None]
+
     kv_rows = kv_ptr + tokens[:, None, None] * kv_stride_t + layer * kv_stride_l
-    k_src = kv_rows + heads * (HEAD_DIM * kv_stride_d)
-    first, second = _load_rotary_halves(k_src, kv_stride_d, loaded, BLOCK_T, BLOCK_HEADS,
-                                        PAIR_BLOCK, ROTARY_DIM, GPTJ)
-    if TAIL_BLOCK > 0:
-        tail_dims = ROTARY_DIM + tl.arange(0, TAIL_BLOCK)[None, None, :]
-        tail = tl.load(k_src + tail_dims * kv_stride_d, mask=loaded & (tail_dims < HEAD_DIM),
-                       other=0.0).to(tl.float32)
+    head_stride = HEAD_DIM * kv_stride_d
+    k_first, k_second, k_tail = _load_head_rows(kv_rows + heads * head_stride, kv_stride_d, loaded, BLOCK_T,
+                                                BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ)
     head_dims = tl.arange(0, HEAD_BLOCK)[None, None, :]
-    v = tl.load(kv_rows + (NUM_HEADS + heads) * (HEAD_DIM * kv_stride_d) + head_dims * kv_stride_d,
+    v = tl.load(kv_rows + (NUM_HEADS + heads) * head_stride + head_dims * kv_stride_d,
                 mask=loaded & (head_dims < HEAD_DIM))
 
-    # After the K and V loads, so they are in flight while the cos/sin rows wait for their
-    # positions. A bad position is masked, never read: its K row gets NaN below instead.
-    # The cos and sin halves of a row sit like the two halves of a neox rotation. The
-    # cos/sin and weight rows are loaded for every (token, head) of the tile, each thread
-    # its own copy (L1 serves the repeats): at K's shape they come in K's register layout,
-    # where a [tokens, 1, dims] tile would be shuffled through shared memory to meet it.
+    # The cos/sin and weight rows come at K's [tokens, heads, dims] shape, each thread its own
+    # copy (L1 serves the repeats), so they arrive in K's register layout: a [tokens, 1, dims]
+    # tile would be shuffled through shared memory to meet it. A bad position is never read.
     rotatable = (positions >= 0) & (positions < max_position)
-    same_for_every_head = heads * 0
-    everywhere = same_for_every_head == 0
-    cos_sin_rows = (cos_sin_ptr + positions * cos_sin_stride_p)[:, None, None] + same_for_every_head
-    cos, sin = _load_rotary_halves(cos_sin_rows, cos_sin_stride_d,
-                                   (in_context & rotatable)[:, None, None] & everywhere,
-                                   BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, ROTARY_DIM, False)
-    weight_rows = k_norm_weight_ptr + layer * weight_stride_l + tokens[:, None, None] * 0 + same_for_every_head
-    weight_first, weight_second = _load_rotary_halves(weight_rows, weight_stride_d, everywhere,
-                                                      BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, ROTARY_DIM, GPTJ)
-    if TAIL_BLOCK > 0:
-        weight_tail = tl.load(weight_rows + tail_dims * weight_stride_d, mask=everywhere & (tail_dims < HEAD_DIM),
-                              other=0.0).to(tl.float32)
+    every_head = heads * 0
+    cos_sin_rows = (cos_sin_ptr + positions * cos_sin_stride_p)[:, None, None] + every_head
+    cos, sin = _load_rotary_halves(cos_sin_rows, cos_sin_stride_d, (in_context & rotatable)[:, None, None] &
+                                   (every_head == 0), BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, ROTARY_DIM, False)
+    weight_rows = k_norm_weight_ptr + layer * weight_stride_l + tokens[:, None, None] * 0 + every_head
+    w_first, w_second, w_tail = _load_head_rows(weight_rows, weight_stride_d, every_head == 0, BLOCK_T,
+                                                BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ)
     eps = tl.load(eps_ptr + layer * eps_stride)
-    # Each cache is quantized with its own scale: an fp8 K cache may sit beside a bf16 V cache.
-    if QUANTIZE_K:
-        k_scale = tl.load(k_scale_ptr + layer * k_scale_stride)
-        k_inverse_scale = tl.div_rn(1.0, k_scale)
-    else:
-        k_scale = 1.0
-        k_inverse_scale = 1.0
-    if QUANTIZE_V:
-        v_scale = tl.load(v_scale_ptr + layer * v_scale_stride)
-        v_inverse_scale = tl.div_rn(1.0, v_scale)
+    # Each cache has its own scale: an fp8 K cache may sit beside a bf16 V cache.
+    k_scale, k_inverse_scale = _layer_scale(k_scale_ptr, layer, k_scale_stride, K_QUANTIZED)
+    v_scale, v_inverse_scale = _layer_scale(v_scale_ptr, layer, v_scale_stride, V_QUANTIZED)
 
-    # V first: its writes start while K still waits for the cos/sin rows. Every load is
-    # issued above, so none can be held back behind a store that might alias it.
-    if QUANTIZE_V:
-        v = _to_destination(v.to(tl.float32), v_scale, v_inverse_scale, v_dst_ptr.dtype.element_ty, QUANTIZE_V)
-    v_dst = v_dst_ptr + layer * v_stride_l + rows * v_stride_row + heads * v_stride_h
-    tl.store(v_dst + head_dims * v_stride_d, v, mask=written & (head_dims < HEAD_DIM))
+    # V first: its writes start while K still waits for the cos/sin rows.
+    v_dest = v_dest_ptr + layer * v_stride_l + rows * v_stride_row + heads * v_stride_h
+    if V_QUANTIZED:  # else V is stored as loaded: bit for bit, NaN payloads included
+        v = _to_destination(v.to(tl.float32), v_scale, v_inverse_scale, v_dest_ptr.dtype.element_ty, V_QUANTIZED)
+    tl.store(v_dest + head_dims * v_stride_d, v, mask=written & (head_dims < HEAD_DIM))
 
-    sum_squares = tl.sum(first * first, 2) + tl.sum(second * second, 2)
-    if TAIL_BLOCK > 0:
-        sum_squares += tl.sum(tail * tail, 2)
-    # A product with the constant 1/HEAD_DIM, exact for powers of two and otherwise within
-    # an fp32 ulp of the mean: a division would add a slow-path branch for nothing.
-    mean_square_eps = sum_squares * (1.0 / HEAD_DIM) + eps
-    # The edge values of interop.reference, decided once per head row: zeros where there is
-    # no scale to normalize by (rsqrt flushes denormals, hence a threshold), NaN where the
-    # sum of squares is not finite (NaN or Inf in K, k*k overflowed) or the token has no
-    # rotation. A NaN inv_rms poisons the whole row, the unrotated tail included.
-    inv_rms = tl.where(mean_square_eps < _SMALLEST_NORMAL, 0.0, tl.math.rsqrt(mean_square_eps))
-    inv_rms = tl.where(rotatable[:, None] & (sum_squares < float("inf")), inv_rms, float("nan"))[:, :, None]
-    first = first * inv_rms * weight_first
-    second = second * inv_rms * weight_second
-    rotated_first = first * cos - second * sin
-    rotated_second = second * cos + first * sin
-
-    k_dtype = k_dst_ptr.dtype.element_ty
-    k_dst = k_dst_ptr + layer * k_stride_l + rows * k_stride_row + heads * k_stride_h
-    _store_rotary_halves(k_dst, k_stride_d,
-                         _to_destination(rotated_first, k_scale, k_inverse_scale, k_dtype, QUANTIZE_K),
-                         _to_destination(rotated_second, k_scale, k_inverse_scale, k_dtype, QUANTIZE_K),
-                         written, BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, ROTARY_DIM, GPTJ)
-    if TAIL_BLOCK > 0:
-        tl.store(k_dst + tail_dims * k_stride_d,
-                 _to_destination(tail * inv_rms * weight_tail, k_scale, k_inverse_scale, k_dtype, QUANTIZE_K),
-                 mask=written & (tail_dims < HEAD_DIM))
+    inv_rms = _inverse_rms(k_first, k_second, k_tail, eps, rotatable, HEAD_DIM, TAIL_BLOCK)
+    k_first, k_second = _rotate(k_first * inv_rms * w_first, k_second * inv_rms * w_second, cos, sin)
+    k_dest = k_dest_ptr + layer * k_stride_l + rows * k_stride_row + heads * k_stride_h
+    _store_head_rows(k_dest, k_stride_d, k_first, k_second, k_tail * inv_rms * w_tail, written, k_scale,
+                     k_inverse_scale, BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ,
+                     K_QUANTIZED)
 
 
 def _next_power_of_2(n: int) -> int:
@@ -275,8 +307,8 @@ _FOUR_TOKEN_TILES = (256, 384)
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, to_slots: bool, quantize_k: bool,
-          quantize_v: bool, block_tokens: Optional[int], block_heads: Optional[int],
+def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, slotted: bool, k_quantized: bool,
+          v_quantized: bool, block_tokens: Optional[int], block_heads: Optional[int],
           num_warps: Optional[int], dependent_launch: bool) -> tuple[int, tuple, int, bool]:
     """``(grid, constexpr values in kernel order, num_warps, dependent_launch)`` of a launch."""
     default_block, default_heads, default_warps = default_tile(
@@ -289,15 +321,15 @@ def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, to_slots: bool, 
     tail = config.head_dim - config.rotary_dim
     constexprs = (
         n_layers, config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style == "gptj",
-        to_slots, quantize_k, quantize_v, block_tokens, block_heads, _next_power_of_2(config.rotary_dim // 2),
+        slotted, k_quantized, v_quantized, block_tokens, block_heads, _next_power_of_2(config.rotary_dim // 2),
         _next_power_of_2(tail) if tail else 0, _next_power_of_2(config.head_dim), dependent_launch,
     )
     grid = -(-total_ctx // block_tokens) * n_layers * (config.num_kv_heads // block_heads)
     return grid, constexprs, num_warps or default_warps, dependent_launch
 
 
-def tuned_plan(config: FusedKVConfig, total_ctx: int, n_layers: int, to_slots: bool, quantize_k: bool,
-               quantize_v: bool, tile: tuple, dependent_launch: bool) -> tuple:
+def tuned_plan(config: FusedKVConfig, total_ctx: int, n_layers: int, slotted: bool, k_quantized: bool,
+               v_quantized: bool, tile: tuple, dependent_launch: bool) -> tuple:
     """The launch plan with ``tile = (block_tokens, block_heads, num_warps)`` overriding
     :func:`default_tile` where not None, each checked (``ValueError``/``TypeError``)."""
     block_tokens, block_heads, num_warps = tile
@@ -305,7 +337,7 @@ def tuned_plan(config: FusedKVConfig, total_ctx: int, n_layers: int, to_slots: b
     block_tokens = None if block_tokens is None else tile_argument("block_tokens", block_tokens)
     block_heads = None if block_heads is None else size_argument("block_heads", block_heads)
     num_warps = None if num_warps is None else tile_argument("num_warps", num_warps)
-    return _plan(config, total_ctx, n_layers, to_slots, quantize_k, quantize_v, block_tokens, block_heads,
+    return _plan(config, total_ctx, n_layers, slotted, k_quantized, v_quantized, block_tokens, block_heads,
                  num_warps, dependent_launch)
 
 
@@ -327,17 +359,17 @@ def supports_dependent_launch(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dst, v_dst, cache_loc, k_scale,
+def _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, cache_loc, k_scale,
             v_scale, compiled=None) -> None:
     grid, constexprs, num_warps, dependent_launch = plan
     _launcher(
         grid,
-        (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_dst, v_dst, k_scale, v_scale),
-        (kv.shape[0], cos_sin_cache.shape[0], k_dst.shape[1]),
+        (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_dest, v_dest, k_scale, v_scale),
+        (kv.shape[0], cos_sin_cache.shape[0], k_dest.shape[1]),
         (*kv.stride(), *k_norm_weight.stride(), *eps.stride(), *cos_sin_cache.stride(), *positions.stride(),
          *((0,) if cache_loc is None else cache_loc.stride()),
          *((0,) if k_scale is None else k_scale.stride()), *((0,) if v_scale is None else v_scale.stride()),
-         *k_dst.stride(), *v_dst.stride()),
+         *k_dest.stride(), *v_dest.stride()),
         constexprs, num_warps=num_warps, launch_pdl=dependent_launch, compiled=compiled,
     )
 
@@ -348,8 +380,8 @@ def launch(
     eps: torch.Tensor,
     cos_sin_cache: torch.Tensor,
     positions: torch.Tensor,
-    k_dst: torch.Tensor,
-    v_dst: torch.Tensor,
+    k_dest: torch.Tensor,
+    v_dest: torch.Tensor,
     *,
     config: FusedKVConfig,
     cache_loc: Optional[torch.Tensor] = None,
@@ -362,7 +394,7 @@ def launch(
 ) -> None:
     """Launch the kernel on validated arguments already on ``kv``'s device; no sync.
 
-    ``k_dst``/``v_dst`` are ``[n_layers, rows, num_kv_heads, head_dim]``: the outputs
+    ``k_dest``/``v_dest`` are ``[n_layers, rows, num_kv_heads, head_dim]``: the outputs
     (row t for token t) or, with ``cache_loc``, the caches (row ``cache_loc[t]``).
     ``block_tokens``, ``block_heads`` (a power of two dividing the heads) and
     ``num_warps`` (powers of two) override :func:`default_tile` (benchmark
@@ -374,4 +406,4 @@ def launch(
         dependent_launch = supports_dependent_launch(kv.device)
     plan = tuned_plan(config, total_ctx, n_layers, cache_loc is not None, k_scale is not None, v_scale is not None,
                       (block_tokens, block_heads, num_warps), dependent_launch)
-    _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dst, v_dst, cache_loc, k_scale, v_scale)
+    _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, cache_loc, k_scale, v_scale)

@@ -127,8 +127,8 @@ def _check_runnable(device: torch.device) -> None:
         )
 
 
-def _prepared(accepted: AcceptedCall, device: torch.device, to_slots: bool, quantize_k: bool,
-              quantize_v: bool, tracing: bool, tile: tuple = _NO_TILE) -> PreparedCall:
+def _prepared(accepted: AcceptedCall, device: torch.device, slotted: bool, k_quantized: bool,
+              v_quantized: bool, tracing: bool, tile: tuple = _NO_TILE) -> PreparedCall:
     """The launch plan of an accepted call, made once per call signature; with a tile
     override (checked here, before anything is written), made for the call alone."""
     if tracing:  # the registered op plans (and checks the tile) when it runs
@@ -138,7 +138,7 @@ def _prepared(accepted: AcceptedCall, device: torch.device, to_slots: bool, quan
     if prepared is None:
         _check_runnable(device)
         call = accepted.shape
-        plan = tuned_plan(call.config, call.total_ctx, call.n_layers, to_slots, quantize_k, quantize_v, tile,
+        plan = tuned_plan(call.config, call.total_ctx, call.n_layers, slotted, k_quantized, v_quantized, tile,
                           supports_dependent_launch(device))
         if tile is not _NO_TILE:
             return PreparedCall(call, plan, None, tile)
