@@ -47,7 +47,7 @@ class FusedKVMaterializer:
 
     def __init__(self, layers: Sequence[LayerKV], *, cos_sin_cache: jax.Array | None = None):
         layers = tuple(layers)
-        self.config = validate_layers(layers, cos_sin_cache)
+        self.config = validate_layers(layers, cos_sin_cache, accepted="jax")
         self.kv_proj_weight = jnp.concatenate([jnp.asarray(layer.kv_proj_weight) for layer in layers])
         self.k_norm_weight = jnp.stack(
             [jnp.asarray(layer.k_norm_weight).astype(jnp.float32) for layer in layers])

@@ -21,7 +21,7 @@ import torch
 
 # The op in its two steps, so that a bad call is rejected before the GEMM launches.
 from fusedkv_torch.ops import prepare_cache_call, prepare_call
-from interop.materializer_spec import LayerKV, validate_layers, validate_materialize
+from interop.materializer_spec import LayerKV, validate_layers, validate_materialize, validate_reserve
 from interop.spec import check_arrays
 
 
@@ -106,7 +106,7 @@ class FusedKVMaterializer:
 
     def __init__(self, layers: Sequence[LayerKV], *, cos_sin_cache: torch.Tensor | None = None):
         layers = tuple(layers)
-        self.config = validate_layers(layers, cos_sin_cache)
+        self.config = validate_layers(layers, cos_sin_cache, accepted="torch")
         op = self.config.op
         self._op_static = (op.num_kv_heads, op.head_dim, op.rotary_dim, op.rope_style)
         weight = torch.cat([layer.kv_proj_weight for layer in layers])
@@ -128,8 +128,9 @@ class FusedKVMaterializer:
 
     def reserve(self, max_tokens: int, *, staging: bool = False) -> None:
         """Size the GEMM workspace for ``max_tokens``; with ``staging``, also the output
-        buffers :meth:`materialize_layers` hands to its callback. Call before capture."""
-        numel = max_tokens * self.config.kv_width
+        buffers :meth:`materialize_layers` hands to its callback. Call before capture.
+        ``max_tokens``: an int >= 0."""
+        numel = validate_reserve(max_tokens) * self.config.kv_width
         self._grow_workspace(numel)
         if staging:
             self._staging = _grown(self._staging, numel, "staging buffer")

@@ -20,6 +20,11 @@ Given ``k_out``/``v_out`` and where they are written:
   into the caller's (one copy of the outputs);
 * jax outputs: jax arrays are immutable, so the caller gets new arrays; under
   ``jax.jit`` use ``fusedkv_jax`` with donated outputs to reuse their memory.
+
+New arrays of another library (CuPy) are made by its module's ``from_dlpack``. Where
+results could not be handed back (outputs of another library, which interop cannot
+write into, or new arrays of a library without ``from_dlpack``), the route refuses the
+call before anything is launched.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import os
 
 import numpy as np
 
-from interop.exchange import cross, framework_of, to_caller, to_framework
+from interop.exchange import cross, framework_of, returns_to, to_caller, to_framework
 from interop.spec import accept_call, check_output_buffers
 
 BACKENDS = ("torch", "jax")
@@ -148,6 +153,7 @@ class _Route:
         self.in_place = tuple(name for name, out in (("k_out", k_out), ("v_out", v_out))
                               if _written_in_place(out, self.backend))
         self.crosses = any(array is not None and framework_of(array) != self.backend for array in arrays)
+        _check_deliverable(kv, self.caller, (("k_out", k_out), ("v_out", v_out)), self.in_place)
 
 
 @functools.cache
@@ -159,6 +165,34 @@ def _torch_on_gpu() -> bool:
 
 def _written_in_place(out, backend: str) -> bool:
     return out is not None and backend == "torch" and framework_of(out) in ("torch", "numpy")
+
+
+_WRITTEN_INTO = ("numpy", "torch", "jax")  # the given outputs' frameworks _deliver writes (or replaces)
+
+
+def _check_deliverable(kv, caller: str, outputs, in_place) -> None:
+    """Refuse, before anything is launched, a call whose results :func:`_deliver` could not
+    hand back: a given output it cannot write into, or a result bound for ``kv``'s
+    framework (an output not given, or a jax one) when that has no ``from_dlpack``."""
+    to_kv_framework = False
+    for name, out in outputs:
+        if name in in_place:
+            continue
+        framework = None if out is None else framework_of(out)
+        if out is not None and framework not in _WRITTEN_INTO:
+            raise TypeError(
+                f"Invalid {name} for fused KV materialization: got {framework}.{type(out).__qualname__}, "
+                f"expected a NumPy, torch or jax array (interop writes results into those), or no "
+                f"{name} for a new array of kv's framework."
+            )
+        to_kv_framework = to_kv_framework or out is None or framework == "jax"
+    if to_kv_framework and not returns_to(caller):
+        raise TypeError(
+            f"Invalid kv for fused KV materialization: got {caller}.{type(kv).__qualname__}, "
+            "whose module has no from_dlpack to return results through, expected an array of "
+            "NumPy, torch, jax or a library with from_dlpack (or NumPy or torch k_out and v_out "
+            "to write results into)."
+        )
 
 
 def _deliver(givens, results, caller: str, backend: str) -> tuple:

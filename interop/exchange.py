@@ -121,6 +121,18 @@ def to_framework(array, framework: str):
     return to_torch(array) if framework == "torch" else to_jax(array)
 
 
+def returns_to(caller: str) -> bool:
+    """Whether :func:`to_caller` can hand results to ``caller``'s framework: NumPy, torch
+    and jax always; another library when its top-level module has ``from_dlpack``."""
+    if caller in ("numpy", "torch", "jax"):
+        return True
+    try:
+        module = importlib.import_module(caller)
+    except ImportError:
+        return False
+    return callable(getattr(module, "from_dlpack", None))
+
+
 def to_caller(array, caller: str):
     """A backend's result handed back as an array of the caller's framework, zero-copy."""
     if framework_of(array) == caller:

@@ -29,8 +29,11 @@ from interop.reference import (
     rope_cos_sin_cache,
 )
 from interop.spec import (
+    KV_DTYPES,
     FusedKVConfig,
+    _type_name,
     check_arrays,
+    device_name,
     dtype_name,
     integer_argument,
     size_argument,
@@ -122,12 +125,37 @@ def _layer_error(index: int, what: str, got, expected) -> ValueError:
     )
 
 
-def validate_layers(layers: Sequence[LayerKV], cos_sin_cache=None) -> MaterializerConfig:
+def _check_layer_arrays(layers: tuple, cos_sin_cache, accepted: str) -> None:
+    """Refuse a layer that is not a :class:`LayerKV`, and weights (or a table) that are not
+    arrays of the materializer's framework (``accepted``, as :func:`interop.spec.check_arrays`)
+    or that have no data (torch's meta device), naming the layer and the field."""
+    for index, layer in enumerate(layers):
+        if not isinstance(layer, LayerKV):
+            raise TypeError(
+                f"Invalid layers[{index}] for fused KV materialization: got {_type_name(layer)}, "
+                "expected an interop.materializer_spec.LayerKV."
+            )
+        for field in ("kv_proj_weight", "k_norm_weight"):
+            name, array = f"layers[{index}].{field}", getattr(layer, field)
+            check_arrays(((name, array),), accepted)
+            if (device_name(array) or "").startswith("meta"):
+                raise ValueError(
+                    f"Invalid {name} for fused KV materialization: got a tensor on the meta device "
+                    "(a shape without data), expected one holding the layer's weights."
+                )
+    check_arrays((("cos_sin_cache", cos_sin_cache),), accepted)
+
+
+def validate_layers(layers: Sequence[LayerKV], cos_sin_cache=None, *,
+                    accepted: str = "any") -> MaterializerConfig:
     """Check that every layer fits one stacked GEMM and one launch of the op.
 
-    Layer 0 sets the configuration; each layer in turn is checked for its heads,
-    head_dim, rope configuration, projection weight shape and dtype, k_norm weight
-    shape and eps, and the first difference raises ``ValueError`` naming the layer.
+    First each layer must be a :class:`LayerKV` whose arrays (and ``cos_sin_cache``) are
+    of the materializer's framework (``accepted``: ``'torch'``, ``'jax'`` or ``'any'``, as
+    :func:`interop.spec.check_arrays`) and hold data. Then layer 0 sets the configuration;
+    each layer in turn is checked for its heads, head_dim, rope configuration, projection
+    weight shape and dtype, k_norm weight shape and eps, and the first difference raises
+    ``ValueError`` naming the layer.
     Then the op's own validation (:func:`interop.spec.validate_call`) runs on the
     stacked shapes: the rotary/head dim pair, the rope style, the kv dtype (the
     weights' dtype, that of the GEMM's output) and the cos/sin table, which is either
@@ -136,6 +164,7 @@ def validate_layers(layers: Sequence[LayerKV], cos_sin_cache=None) -> Materializ
     layers = tuple(layers)
     if not layers:
         raise ValueError("Invalid layers for fused KV materialization: got 0, expected at least 1.")
+    _check_layer_arrays(layers, cos_sin_cache, accepted)
     first = layers[0]
     first_shape = tuple(int(d) for d in first.kv_proj_weight.shape)
     hidden = first_shape[1] if len(first_shape) == 2 else "hidden"
@@ -200,12 +229,30 @@ def validate_materialize(ctx_hidden, config: MaterializerConfig, max_position: i
             "Invalid ctx_hidden shape for fused KV materialization: "
             f"got {shape}, expected (total_ctx, {config.hidden})."
         )
+    # Cast to the weights' dtype by the GEMM: an integer, bool or complex (or, with jax's
+    # x64 off, a float64 narrowed first) would change values silently.
+    if dtype_name(ctx_hidden.dtype) not in KV_DTYPES:
+        raise ValueError(
+            "Invalid ctx_hidden dtype for fused KV materialization: "
+            f"got {dtype_name(ctx_hidden.dtype)}, expected one of {KV_DTYPES}."
+        )
     if max_position is not None and not 0 <= max_position <= config.max_position:
         raise ValueError(
             "Invalid max_position for fused KV materialization: "
             f"got {max_position}, expected at most {config.max_position}, the rows of cos_sin_cache."
         )
     return shape[0]
+
+
+def validate_reserve(max_tokens) -> int:
+    """A workspace's bound on a call's tokens as an int >= 0 (0: the empty-context calls,
+    which need no workspace), refused otherwise as sizes are."""
+    max_tokens = integer_argument("max_tokens", max_tokens, "a non-negative int")
+    if max_tokens < 0:
+        raise ValueError(
+            f"Invalid max_tokens for fused KV materialization: got {max_tokens}, expected a non-negative int."
+        )
+    return max_tokens
 
 
 def _is_int(value) -> bool:

@@ -282,6 +282,50 @@ class TestMaterializer:
         backend.assert_untouched(k_cache, before, name="k_cache")
         backend.assert_untouched(v_cache, before, name="v_cache")
 
+    @pytest.mark.parametrize("dtype", ["int32", "bool", "complex64", "float64"])
+    def test_hidden_states_of_a_dtype_the_gemm_would_cast_silently_are_refused_untouched(self, backend, dtype):
+        s = setup(backend, total_ctx=4)
+        before = s.poisoned_cache()
+        k_cache, v_cache = backend.put(before), backend.put(before)
+        with pytest.raises(ValueError, match=backend.error_pattern(
+                f"Invalid ctx_hidden dtype for fused KV materialization: got {dtype}, expected one of "
+                "('bfloat16', 'float16', 'float32').")):
+            s.materializer.materialize_into_cache(backend.put(s.case.ctx_hidden.astype(dtype)), s.positions,
+                                                  backend.put(np.arange(4)), k_cache, v_cache)
+        backend.assert_untouched(k_cache, before, name="k_cache")
+        backend.assert_untouched(v_cache, before, name="v_cache")
+
+    def test_a_layer_that_is_not_a_layer_kv_is_refused_naming_it(self, backend):
+        layers = _layers_on(backend)
+        layers[1] = dataclasses.asdict(layers[1])
+        with pytest.raises(TypeError, match=backend.error_pattern(
+                "Invalid layers[1] for fused KV materialization: got dict, expected an "
+                "interop.materializer_spec.LayerKV.")):
+            backend.kernel.FusedKVMaterializer(layers)
+
+    @pytest.mark.parametrize("field", ["kv_proj_weight", "k_norm_weight"])
+    def test_weights_of_another_framework_are_refused_naming_the_layer(self, backend, field):
+        layers = _layers_on(backend)
+        layers[1] = dataclasses.replace(layers[1], **{field: backend.foreign(host(getattr(layers[1], field)))})
+        with pytest.raises(TypeError, match=backend.error_pattern(
+                f"Invalid layers[1].{field} for fused KV materialization: got {backend.foreign_type}, "
+                f"expected {backend.takes}.")):
+            backend.kernel.FusedKVMaterializer(layers)
+
+    def test_a_cos_sin_cache_of_another_framework_is_refused(self, backend):
+        table = backend.foreign(rope_cos_sin_cache(256, OP.rotary_dim))
+        with pytest.raises(TypeError, match=backend.error_pattern(
+                f"Invalid cos_sin_cache for fused KV materialization: got {backend.foreign_type}, "
+                f"expected {backend.takes}.")):
+            backend.kernel.FusedKVMaterializer(_layers_on(backend), cos_sin_cache=table)
+
+
+def _layers_on(backend, n_layers=2):
+    """Random layers (256 positions) as the backend's arrays, in a list to change."""
+    case = random_case(OP, n_layers=n_layers, hidden=64, total_ctx=0, max_position=256)
+    return [dataclasses.replace(layer, kv_proj_weight=backend.put(layer.kv_proj_weight),
+                                k_norm_weight=backend.put(layer.k_norm_weight)) for layer in case.layers]
+
 
 class TestMaterializerInterpreted(TestMaterializer):
     """``FusedKVMaterializer``: the interpreted twin."""

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy as np
 import pytest
@@ -409,6 +410,84 @@ def test_cupy_callers_get_reference_results_as_cupy_arrays(backend):
     k_ref, v_ref = fused_kv_norm_rope_reference(*inputs.arrays(), **STATIC)
     assert_close(cupy.asnumpy(k), k_ref)
     assert_bit_exact(cupy.asnumpy(v), v_ref)
+
+
+class _HostArray:
+    """A NumPy array as a library other than NumPy, torch and jax holds it: ``__dlpack__``
+    and its metadata only (its module is set by :func:`_library`)."""
+
+    def __init__(self, array):
+        self.array = array
+        self.shape, self.dtype = array.shape, array.dtype
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def _library(monkeypatch, name, **attributes):
+    """A module ``name`` holding its own copy of :class:`_HostArray` and ``attributes``."""
+    module = types.ModuleType(name)
+    module.Array = type("Array", (_HostArray,), {"__module__": name})
+    vars(module).update(attributes)
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_a_caller_whose_library_has_no_from_dlpack_is_refused_before_any_backend_runs(monkeypatch, backend):
+    library = _library(monkeypatch, "nofromdlpack")
+    inputs = _inputs(seed=20, dtype="float32")
+    k_out = np.full((2, 5, 2, 32), 7.0, np.float32)
+    _refused_before_any_backend_runs(
+        monkeypatch, TypeError, "Invalid kv for fused KV materialization: got nofromdlpack.Array, whose module "
+        "has no from_dlpack to return results through, expected an array of NumPy, torch, jax or a library "
+        "with from_dlpack (or NumPy or torch k_out and v_out to write results into).",
+        library.Array(inputs.kv), *inputs.arrays()[1:], **STATIC, k_out=k_out, backend=backend)
+    assert (k_out == 7.0).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_outputs_of_another_library_are_refused_before_any_backend_runs(monkeypatch, backend):
+    library = _library(monkeypatch, "otherlibrary", from_dlpack=lambda array: None)
+    inputs = _inputs(seed=21, dtype="float32")
+    held = np.full((2, 5, 2, 32), 7.0, np.float32)
+    _refused_before_any_backend_runs(
+        monkeypatch, TypeError, "Invalid v_out for fused KV materialization: got otherlibrary.Array, expected a "
+        "NumPy, torch or jax array (interop writes results into those), or no v_out for a new array of kv's "
+        "framework.", *inputs.arrays(), **STATIC, v_out=library.Array(held), backend=backend)
+    assert (held == 7.0).all()
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_a_caller_without_from_dlpack_gets_the_results_in_its_given_numpy_outputs(monkeypatch, backend):
+    if backend == "torch" and DEVICE == "cuda":
+        pytest.skip("host arrays do not reach the Triton kernel on a GPU")
+    library = _library(monkeypatch, "nofromdlpack")
+    inputs = _inputs(seed=22, dtype="float32")
+    k_out, v_out = np.zeros((2, 5, 2, 32), np.float32), np.zeros((2, 5, 2, 32), np.float32)
+    k, v = interop.fused_kv_norm_rope(library.Array(inputs.kv), *inputs.arrays()[1:], **STATIC, k_out=k_out,
+                                      v_out=v_out, backend=backend)
+    assert k is k_out and v is v_out
+    k_ref, v_ref = fused_kv_norm_rope_reference(*inputs.arrays(), **STATIC)
+    assert_close(k, k_ref)
+    assert_bit_exact(v, v_ref)
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_a_library_with_from_dlpack_gets_its_own_arrays_back(monkeypatch, backend):
+    if backend == "torch" and DEVICE == "cuda":
+        pytest.skip("host arrays do not reach the Triton kernel on a GPU")
+    library = _library(monkeypatch, "withfromdlpack")
+    library.from_dlpack = lambda array: library.Array(np.from_dlpack(array))
+    inputs = _inputs(seed=23, dtype="float32")
+    k, v = interop.fused_kv_norm_rope(library.Array(inputs.kv), *inputs.arrays()[1:], **STATIC, backend=backend)
+    assert type(k) is type(v) is library.Array
+    k_ref, v_ref = fused_kv_norm_rope_reference(*inputs.arrays(), **STATIC)
+    assert_close(k.array, k_ref)
+    assert_bit_exact(v.array, v_ref)
 
 
 def _without_triton_interpret(script: str) -> subprocess.CompletedProcess:

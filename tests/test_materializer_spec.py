@@ -12,6 +12,7 @@ from interop.materializer_spec import (
     random_case,
     validate_layers,
     validate_materialize,
+    validate_reserve,
 )
 from interop.spec import FusedKVConfig
 
@@ -83,6 +84,29 @@ def test_the_first_differing_layer_is_named():
 
 def test_no_layers_is_an_error():
     _expect("Invalid layers for fused KV materialization: got 0, expected at least 1.", [])
+
+
+def test_a_layer_that_is_not_a_layer_kv_is_refused_before_any_of_its_fields_is_read():
+    layers = _layers()
+    layers[2] = dataclasses.asdict(layers[2])
+    with pytest.raises(TypeError, match="^" + re.escape(
+            "Invalid layers[2] for fused KV materialization: got dict, expected an "
+            "interop.materializer_spec.LayerKV.") + "$"):
+        validate_layers(layers)
+
+
+def test_layer_weights_that_are_not_arrays_are_refused_naming_the_layer_and_field():
+    layers = _layers(k_norm_weight=[1.0] * 32)
+    with pytest.raises(TypeError, match="^" + re.escape(
+            "Invalid layers[2].k_norm_weight for fused KV materialization: got list, expected an "
+            "array with __dlpack__ (NumPy, torch, jax, CuPy).") + "$"):
+        validate_layers(layers)
+
+
+def test_a_reserved_token_bound_is_taken_as_an_int_from_zero():
+    assert validate_reserve(0) == 0
+    bound = validate_reserve(np.int64(4096))
+    assert bound == 4096 and type(bound) is int
 
 
 def test_the_ops_own_checks_run_on_the_stacked_configuration():

@@ -138,6 +138,43 @@ def test_one_buffer_as_both_outputs_or_as_both_per_layer_lists_is_refused_untouc
     assert bool((out == POISON).all()) and bool((cache == POISON).all())
 
 
+@pytest.mark.parametrize("max_tokens, error, message", [
+    (-1, ValueError, "got -1, expected a non-negative int."),
+    (True, TypeError, "got True (bool), expected a non-negative int."),
+    (2.5, TypeError, "got 2.5 (float), expected a non-negative int."),
+    ("4", TypeError, "got '4' (str), expected a non-negative int."),
+    (None, TypeError, "got None (NoneType), expected a non-negative int."),
+], ids=["negative", "bool", "float", "str", "None"])
+def test_reserve_refuses_a_token_bound_that_is_not_a_non_negative_int_and_allocates_nothing(
+        max_tokens, error, message):
+    setup = _setup(total_ctx=4)
+    workspace = setup.materializer.project(setup.ctx_hidden).data_ptr()
+    with pytest.raises(error, match=f"^{re.escape('Invalid max_tokens for fused KV materialization: ' + message)}$"):
+        setup.materializer.reserve(max_tokens, staging=True)
+    assert setup.materializer.project(setup.ctx_hidden).data_ptr() == workspace
+
+
+def test_reserve_of_zero_tokens_is_the_empty_context_bound_and_keeps_the_workspace():
+    setup = _setup(total_ctx=4)
+    workspace = setup.materializer.project(setup.ctx_hidden).data_ptr()
+    setup.materializer.reserve(0)
+    assert setup.materializer.project(setup.ctx_hidden).data_ptr() == workspace
+    k, v = setup.materializer.materialize(setup.ctx_hidden[:0], setup.positions[:0])
+    assert k.shape == v.shape == (3, 0, OP.num_kv_heads, OP.head_dim)
+
+
+@pytest.mark.parametrize("field", ["kv_proj_weight", "k_norm_weight"])
+def test_a_layer_on_the_meta_device_is_refused_naming_it(field):
+    case = random_case(OP, n_layers=2, hidden=64, total_ctx=0, max_position=256)
+    layers = [dataclasses.replace(layer, kv_proj_weight=_device(layer.kv_proj_weight),
+                                  k_norm_weight=_device(layer.k_norm_weight)) for layer in case.layers]
+    layers[1] = dataclasses.replace(layers[1], **{field: getattr(layers[1], field).to("meta")})
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"Invalid layers[1].{field} for fused KV materialization: got a tensor on the meta device (a "
+            "shape without data), expected one holding the layer's weights.") + "$"):
+        FusedKVMaterializer(layers)
+
+
 # --- on the H200: CUDA graphs (real sizes on every path: the contract suite) ------------------
 
 REAL_OP = FusedKVConfig(num_kv_heads=8, head_dim=128, rotary_dim=128)
