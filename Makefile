@@ -7,8 +7,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: check test
 
-# torch is pinned to the CPU wheel that lies on our machines' disk: an unpinned torch
-# would pull a multi-GB CUDA build. The extras' ranges then install nothing more for it.
+# torch first, pinned to a version whose CPU wheel the CI machines' pip finds: an unpinned
+# torch would pull a multi-GB CUDA build. The extras' ranges then install nothing more for it.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip

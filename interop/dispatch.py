@@ -5,8 +5,8 @@ zero-copy and what is not), and results cross back, all arrays of a crossing at 
 (:func:`interop.exchange.cross`): the consumer's stream waits for the work queued on
 the producer's, on the device, never on the host (torch to jax: one event for all the
 arrays; jax to torch: each buffer's own ready event, as jax offers no other). Every
-input crosses on every call: keeping the weights' crossings from call to call gave
-wrong K on the H200 when torch rewrote a kept weight in place (2026-12-01).
+input crosses on every call: a crossing kept from call to call reads stale values
+once torch rewrites the tensor in place.
 
 A call's route (backend chosen, outputs written in place, whether anything crosses)
 depends on its arrays' types alone, so it is kept with the accepted call's signature

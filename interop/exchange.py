@@ -149,8 +149,8 @@ def to_caller(array, caller: str):
 def cross(arrays: Sequence, framework: str, *, one_launch: bool = False) -> list:
     """``[to_framework(a, framework) for a in arrays]`` (None stays None), with one stream
     handshake for the whole crossing (module docstring). Every array crosses on every
-    call: a jax array kept over a torch tensor from an earlier call read stale values on
-    the H200 when torch rewrote the tensor in place (2026-12-01).
+    call: a jax array kept over a torch tensor from an earlier call reads stale values
+    once torch rewrites the tensor in place.
 
     ``one_launch``: the crossed arrays are read by one computation that takes them all
     (a backend's launch) and by nothing else. Torch tensors going to jax then carry one
@@ -225,8 +225,8 @@ def _import(tensor, device, ready_stream):
     (None: at once) has run: exported without a handshake (DLPack's ``stream=-1``: the
     crossing ordered it; the CPU has no streams) and imported by the jaxlib call that
     ``from_dlpack`` makes, without ``from_dlpack``'s Python around it (checks a crossing
-    makes once, and an ``asarray`` that changes nothing for dtypes of 32 bits or fewer;
-    what that saves is in BENCHMARKS.md). 64-bit dtypes, which jax narrows with x64 off,
+    makes once, and an ``asarray`` that changes nothing for dtypes of 32 bits or fewer).
+    64-bit dtypes, which jax narrows with x64 off,
     and a jaxlib whose call differs take ``from_dlpack`` (with DLPack's own handshake
     where ``ready_stream`` is None: slower, never less ordered)."""
     global _IMPORT_BUFFER

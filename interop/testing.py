@@ -101,10 +101,9 @@ TOLERANCES = {
     # moved the quotient across a rounding boundary. If it moves by at most m fp32 ulps
     # (2**-23 of the binade each), a quotient spread over the binade, whose boundaries
     # lie 2**-3 of the binade apart, crosses one with probability at most m * 2**-20:
-    # 1.5e-5 for the m = 16 of the float32 entry. Measured on the H200: at most 3 of 1.2
-    # million codes one step off in either kernel, none further. 1 in 10,000 leaves
-    # room above that bound, while a scale off by 5% moves 40-80% of the codes (and one
-    # off by 0.1% still about 1%).
+    # 1.5e-5 for the m = 16 of the float32 entry; neither kernel puts a code further
+    # than one step off. 1 in 10,000 leaves room above that bound, while a scale off by 5%
+    # moves 40-80% of the codes (and one off by 0.1% still about 1%).
     # Triton's interpreter converts fp32 to fp8 wrongly in known ways (README, the CPU
     # section): NaN to +-384, ties away from zero, dropped carries, values below 2**-6.
     # The table does not widen for them; compare(triton_interpreter=True) forgives the

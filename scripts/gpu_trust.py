@@ -1,4 +1,4 @@
-"""Issue #10 on the H200 in one command: many calls through every entry point, and threads.
+"""The trust run on a GPU in one command: many calls through every entry point, and threads.
 
 ``PYTHONPATH=. python3 scripts/gpu_trust.py`` (``bash scripts/gpu_trust.sh`` adds the
 property tests under their ``gpu`` profile):
@@ -91,7 +91,7 @@ class Plan:
                     rotary_dim=config.rotary_dim, rope_style=config.rope_style)
 
 
-H200_PLAN = Plan(
+FULL_PLAN = Plan(
     config=FusedKVConfig(num_kv_heads=8, head_dim=128, rotary_dim=128, rope_style="neox"),
     n_layers=5, hidden=4096, dtype="bfloat16", max_position=4096,
     token_counts=(1, 7, 16, 33, 64, 100, 256, 1000), calls=10_000, warmup_cycles=2,
@@ -474,7 +474,7 @@ def main(argv=None) -> int:
                         help="a handful of calls at tiny sizes (the CPU smoke run)")
     parser.add_argument("--calls", type=int, help="calls per entry point (default 10,000)")
     options = parser.parse_args(argv)
-    plan = TINY_PLAN if options.tiny else H200_PLAN
+    plan = TINY_PLAN if options.tiny else FULL_PLAN
     if options.calls:
         plan = dataclasses.replace(plan, calls=options.calls)
     device = torch.cuda.get_device_name() if ON_GPU else "no GPU: interpret mode"

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Issue #10 on the H200 (device tool), from the tree, nothing installed:
+# The trust run on a GPU machine, from the tree, nothing installed:
 #   bash scripts/gpu_trust.sh [all|trust|properties] [gpu_trust.py options, e.g. --tiny]
 # trust: scripts/gpu_trust.py (10,000 calls per entry point with memory readings, then
 # threads; table last). properties: tests/test_properties.py under the `gpu` hypothesis
 # profile (FUSEDKV_HYPOTHESIS_EXAMPLES overrides its examples per test). all (default)
-# runs both; if that is too long for one device call, run the two parts as two calls.
-# Full logs go to $OUT (the device tool's folder) or /tmp/fusedkv-gpu.
+# runs both; each part also runs alone, for a machine that limits a command's time.
+# Full logs go to $OUT when it is set, else /tmp/fusedkv-gpu.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 # torch and jax share the GPU in one process: stop XLA from taking 75% of it up front.

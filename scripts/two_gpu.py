@@ -1,7 +1,7 @@
-"""Issue #15: fusedkv on two GPUs, each with its share of the work, checked against one GPU.
+"""fusedkv on two GPUs, each with its share of the work, checked against one GPU.
 
-Run from the tree on a machine with two GPUs (nothing installed; ``$OUT`` or
-``/tmp/fusedkv-two-gpu`` receives ``two_gpu.json``)::
+Run from the tree on a machine with two GPUs (nothing installed; ``$OUT`` when set, else
+``/tmp/fusedkv-two-gpu``, receives ``two_gpu.json``)::
 
     PYTHONPATH=. python3 scripts/two_gpu.py [--quick]
 

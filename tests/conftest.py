@@ -2,7 +2,7 @@
 
 ``TRITON_INTERPRET`` must be set before any ``@triton.jit`` is decorated, so it is
 set here, before a test module imports ``fusedkv_torch``; jax is kept on the CPU
-there too. On the H200 the same tests run on the GPU, and the interpreted twins of the
+there too. On a GPU machine the same tests run on the GPU, and the interpreted twins of the
 contract suite run beside them (``backends.py``).
 """
 

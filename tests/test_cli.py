@@ -151,6 +151,34 @@ def test_info_names_versions_devices_and_how_each_backend_runs(capsys):
         assert lines["jax"].startswith("jax: Pallas kernel (Triton lowering), interpret mode because jax has no GPU")
 
 
+
+def _info_with(monkeypatch, capsys, *, torch_gpu: bool, jax_backend: str, torch_cuda: str = "13.0") -> str:
+    """``fusedkv info``'s output with the frameworks' device queries answered as given."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: torch_gpu)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: int(torch_gpu))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.version, "cuda", torch_cuda)
+    monkeypatch.setattr(jax, "default_backend", lambda: jax_backend)
+    assert cli.main(["info"]) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("torch_cuda, extra", [("13.0", "cuda13"), ("12.8", "cuda12")])
+def test_info_says_when_jax_sees_no_gpu_while_torch_does(monkeypatch, capsys, torch_cuda, extra):
+    out = _info_with(monkeypatch, capsys, torch_gpu=True, jax_backend="cpu", torch_cuda=torch_cuda)
+    assert out.splitlines()[-1] == (f"note: jax sees no GPU while torch does: install jax[{extra}] "
+                                    f"(pip install 'fusedkv[jax-{extra}]') for the compiled Pallas kernel")
+
+
+@pytest.mark.parametrize("torch_gpu, jax_backend", [(False, "cpu"), (True, "gpu"), (False, "gpu")])
+def test_info_says_nothing_of_jax_gpus_when_the_frameworks_agree_or_torch_has_none(monkeypatch, capsys,
+                                                                                   torch_gpu, jax_backend):
+    out = _info_with(monkeypatch, capsys, torch_gpu=torch_gpu, jax_backend=jax_backend)
+    assert "jax sees no GPU" not in out
+    assert out.splitlines()[-1].startswith("fusedkv check: inputs as ")
+
+
 def test_run_check_hands_over_each_row_before_the_next_backend_runs():
     events = []
 

@@ -1,5 +1,5 @@
 """scripts/gpu_trust.py at tiny sizes: every entry point runs and is checked, and each of its
-checks (reference, memory growth, threads) fails when it should. The H200 runs it at full size."""
+checks (reference, memory growth, threads) fails when it should. A GPU machine runs it at full size."""
 
 import importlib.util
 import pathlib

@@ -141,7 +141,7 @@ def test_programs_that_take_every_layer_match_the_reference(monkeypatch, config,
 
 
 @pytest.mark.parametrize("total_ctx, n_layers, config, looped, tile", [
-    # The tiles measured best on the H200 (BENCHMARKS.md, 2026-12-01): one wave of one-layer
+    # The tiles of a GPU of 132 multiprocessors: one wave of one-layer
     # programs at 256 tokens on 2 warps; looped programs of one token, 1 warp for head_dim
     # 256 in runs (halves of 128), 4 for the draft shape (halves of 64) and for rotary 64
     # of 128 as rows.
@@ -459,7 +459,7 @@ def test_mosaic_interpret_mode_refuses_a_partial_block():
                                                (FusedKVConfig(1, 96, 96, "neox"), 7)])
 def test_mosaic_lowers_for_a_gpu(config, total_ctx):
     # Mosaic GPU builds its IR in Python: layouts, slices and copies are checked without a
-    # GPU (by jax 0.10.2 here; the H200's 0.11.2 differs, see fusedkv_jax.mosaic_kernel).
+    # GPU (by jax 0.10.2 here; 0.11.2 differs, see fusedkv_jax.mosaic_kernel).
     args = (jax.ShapeDtypeStruct((total_ctx, 5, 2 * config.kv_size), jnp.bfloat16),
             jax.ShapeDtypeStruct((5, config.head_dim), jnp.float32), jax.ShapeDtypeStruct((5,), jnp.float32),
             jax.ShapeDtypeStruct((100, config.rotary_dim), jnp.float32),

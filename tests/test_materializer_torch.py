@@ -1,5 +1,5 @@
 """What only the torch materializer has: per-layer cache views of one pool, given outputs,
-its reused workspace, and on the H200 real sizes and CUDA graphs.
+its reused workspace, and on a GPU real sizes and CUDA graphs.
 
 What both materializers must do alike is ``test_contract_materializer.py``'s; as there,
 the op's exactness is checked on the materializer's own GEMM output (``project``) and
@@ -175,7 +175,7 @@ def test_a_layer_on_the_meta_device_is_refused_naming_it(field):
         FusedKVMaterializer(layers)
 
 
-# --- on the H200: CUDA graphs (real sizes on every path: the contract suite) ------------------
+# --- on a GPU: CUDA graphs (real sizes on every path: the contract suite) ---------------------
 
 REAL_OP = FusedKVConfig(num_kv_heads=8, head_dim=128, rotary_dim=128)
 

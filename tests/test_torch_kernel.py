@@ -568,9 +568,9 @@ def test_no_dependent_launch_on_the_cpu_or_in_the_interpreter():
 @gpu
 @pytest.mark.gpu
 def test_dependent_launch_on_the_h200():
-    # The H200 is a Hopper GPU, where the launches measured in BENCHMARKS.md used PDL.
+    # The H200 is a Hopper GPU: its launches must use PDL.
     if "H200" not in torch.cuda.get_device_name():
-        pytest.skip("pinned on the project's H200")
+        pytest.skip("pinned on an H200")
     assert kernel_module.supports_dependent_launch(torch.device("cuda"))
 
 

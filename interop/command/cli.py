@@ -214,6 +214,16 @@ def _info() -> int:
     lines += [f"  {name}: {backends.platform(name).how}" for name in BACKENDS]
     lines.append(f"fusedkv check: inputs as {backends.inputs_placement()}, "
                  f"{CheckOptions().tokens()} tokens by default")
+    # A plain `pip install jax` is CPU-only: beside a CUDA torch it leaves the Pallas kernel
+    # interpreted, so name the jax build that matches torch's CUDA.
+    if dispatch.backend_installed("torch") and dispatch.backend_installed("jax"):
+        import jax
+        import torch
+
+        if torch.cuda.is_available() and jax.default_backend() != "gpu":
+            cuda = "cuda12" if (torch.version.cuda or "").startswith("12") else "cuda13"
+            lines.append(f"note: jax sees no GPU while torch does: install jax[{cuda}] "
+                         f"(pip install 'fusedkv[jax-{cuda}]') for the compiled Pallas kernel")
     print("\n".join(lines))
     return 0
 
