@@ -44,7 +44,7 @@ from interop.bench.check import verdict
 from interop.bench.shapes import MAX_POSITION
 from interop.bench.timers import COPY_BYTES, copy_bytes_per_second
 from interop.bench.workload import input_sets_needed
-from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
+from interop.core.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
 from interop.testing import random_inputs
 
 SIZES = (16, 256, 4096, 32768)

@@ -49,8 +49,9 @@ from interop.bench.shapes import DRAFT_SHAPE, MAX_POSITION
 from interop.bench.timers import copy_bytes_per_second, graph_replay_seconds, host_seconds_per_call
 from interop.bench.workload import input_sets_needed
 from interop.exchange import to_torch
-from interop.materializer_spec import random_case, stacked_op_arrays
-from interop.reference import fused_kv_norm_rope_reference
+from interop.core.materializer import stacked_op_arrays
+from interop.testing import random_case
+from interop.core.reference import fused_kv_norm_rope_reference
 
 HIDDEN = DRAFT_SHAPE.hidden
 NUM_SLOTS = 200_000

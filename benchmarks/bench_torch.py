@@ -48,7 +48,7 @@ from benchmarks.measure import DRAFT, N_LAYERS, Row, format_table, guarded
 from fusedkv_torch import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_torch import kernel as kernel_module
 from fusedkv_torch.kernel import default_tile, launch
-from interop.arrays import as_numpy
+from interop.core.arrays import as_numpy
 from interop.bench.baselines import torch_reference_math
 from interop.bench.check import checked_rows, op_verdict, verdict
 from interop.bench.shapes import BenchShape
@@ -59,8 +59,8 @@ from interop.bench.timers import (
     host_seconds_per_call,
 )
 from interop.bench.workload import Workload, input_sets_needed
-from interop.reference import fused_kv_norm_rope_into_cache_reference
-from interop.spec import FusedKVConfig
+from interop.core.reference import fused_kv_norm_rope_into_cache_reference
+from interop.core.spec import FusedKVConfig
 
 SIZES = (16, 256, 4096, 32768)
 GRAPH_SIZES = (16, 256)

@@ -49,8 +49,8 @@ import fusedkv_jax  # noqa: E402
 import fusedkv_torch  # noqa: E402
 from interop import exchange, spec  # noqa: E402
 from interop.exchange import to_jax, to_torch  # noqa: E402
-from interop.reference import fused_kv_norm_rope_reference  # noqa: E402
-from interop.spec import FusedKVConfig  # noqa: E402
+from interop.core.reference import fused_kv_norm_rope_reference  # noqa: E402
+from interop.core.spec import FusedKVConfig  # noqa: E402
 from interop.testing import assert_bit_exact, assert_close, random_inputs  # noqa: E402
 
 print(f"tree: {os.path.abspath(interop.__file__)}")

@@ -58,9 +58,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fusedkv_jax.partitioning import partitioned
-from interop.exchange import narrow_for_jax
-from interop.reference import FP8_E4M3_MAX, FP8_SCALE_MAX, FP8_SCALE_MIN, SMALLEST_NORMAL_FP32
-from interop.spec import (
+from fusedkv_jax.indices import narrow_for_jax
+from interop.core.reference import FP8_E4M3_MAX, FP8_SCALE_MAX, FP8_SCALE_MIN, SMALLEST_NORMAL_FP32
+from interop.core.spec import (
     AcceptedCall,
     CallShape,
     FusedKVConfig,
@@ -113,7 +113,7 @@ def _store(ref, value, *, mask):
 
 
 def _inverse_rms(sum_squares, eps, head_dim: int, position_ok):
-    """``rsqrt(mean(k*k) + eps)`` per head row, with the edge values of interop.reference.
+    """``rsqrt(mean(k*k) + eps)`` per head row, with the edge values of interop.core.reference.
 
     Zeros where there is no scale to normalize by (rsqrt flushes denormals, hence a
     threshold), NaN where the sum of squares is not finite (NaN or Inf in K, k*k
@@ -139,7 +139,7 @@ def _divide(values, scale, *, interpret: bool):
 
 
 def _quantize(values, scale, *, interpret: bool):
-    """fp32 values as an fp8 cache holds them (interop.reference): ``values / scale``
+    """fp32 values as an fp8 cache holds them (interop.core.reference): ``values / scale``
     saturated to +-448, NaN kept, and NaN for a scale outside its range."""
     values = _divide(values, scale, interpret=interpret)
     # Comparisons, not jnp.clip: the Triton lowering's min/max (minnumf/maxnumf) would turn
@@ -569,7 +569,7 @@ def fused_kv_norm_rope(
     check_output_buffers(given_kv, outputs)
     if check_positions and accepted.shape.total_ctx:
         check_positions_in_range(*_position_range(positions), accepted.shape.max_position)
-    return fused_kv_norm_rope_validated(
+    return fused_kv_norm_rope_accepted(
         accepted, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=k_out, v_out=v_out,
         block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps, interpret=interpret,
         lowering=lowering)
@@ -587,11 +587,11 @@ def _position_range(positions) -> tuple[int, int]:
         ) from None
 
 
-def fused_kv_norm_rope_validated(accepted: AcceptedCall, kv, k_norm_weight, eps, cos_sin_cache, positions, *,
+def fused_kv_norm_rope_accepted(accepted: AcceptedCall, kv, k_norm_weight, eps, cos_sin_cache, positions, *,
                                  k_out=None, v_out=None, block_tokens=None, block_heads=None, num_warps=None,
                                  interpret=None, lowering=None):
     """:func:`fused_kv_norm_rope` on jax arrays (and NumPy ones but ``kv``) that were
-    validated as ``accepted`` (``interop.spec.accept_call``, then ``check_output_buffers``):
+    validated as ``accepted`` (``interop.core.spec.accept_call``, then ``check_output_buffers``):
     those checks are not run again. ``interop``'s and :func:`fused_kv_norm_rope`'s own path;
     the public function checks everything."""
     call = accepted.shape

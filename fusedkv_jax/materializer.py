@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from fusedkv_jax.kernel import on_cpu, fused_kv_norm_rope, fused_kv_norm_rope_into_cache
-from interop.exchange import narrow_for_jax
-from interop.materializer_spec import LayerKV, validate_layers, validate_materialize
-from interop.spec import check_output_buffers
+from fusedkv_jax.indices import narrow_for_jax
+from interop.core.materializer import LayerKV, validate_layers, validate_materialize
+from interop.core.spec import check_output_buffers
 
 
 @jax.tree_util.register_pytree_node_class
@@ -37,9 +37,9 @@ class FusedKVMaterializer:
     ``kv: dtype[total_ctx, n_layers, 2*kv_size]`` for free; ``dtype`` is the weights'.
 
     Args:
-      layers: one :class:`~interop.materializer_spec.LayerKV` per draft layer, holding
+      layers: one :class:`~interop.core.materializer.LayerKV` per draft layer, holding
         jax (or NumPy) arrays; validated by
-        :func:`~interop.materializer_spec.validate_layers` (the first layer that
+        :func:`~interop.core.materializer.validate_layers` (the first layer that
         differs from layer 0 is named).
       cos_sin_cache: optional fp32[max_position, rotary_dim] replacing the table that
         is otherwise built from the layers' ``rope.base``.

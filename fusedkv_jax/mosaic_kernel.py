@@ -1,7 +1,7 @@
 """The fused K/V kernel on the Pallas **Mosaic GPU** lowering (Hopper TMA copies, no gathers).
 
 The math is :mod:`fusedkv_jax.kernel`'s (CONTRACT.md, Math); this module holds the
-kernel and its launcher only (validation stays in :mod:`interop.spec`, the public
+kernel and its launcher only (validation stays in :mod:`interop.core.spec`, the public
 function and the choice of lowering in :mod:`fusedkv_jax.kernel`).
 
 One program per (block of 64 tokens, layer, head). Mosaic GPU on Hopper has no
@@ -47,8 +47,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from interop.reference import SMALLEST_NORMAL_FP32
-from interop.spec import FusedKVConfig
+from interop.core.reference import SMALLEST_NORMAL_FP32
+from interop.core.spec import FusedKVConfig
 
 # The WGMMA register layout tiles rows by 64: one program's tokens.
 BLOCK_TOKENS = 64
@@ -150,7 +150,7 @@ def _fused_kv_block(
     eps_row = _load(eps_rows, plgpu.Layout.WGMMA.reduce(1), interpret)
     sum_squares = jnp.sum(k * k, axis=1)
     mean_square_eps = sum_squares / head_dim + eps_row
-    # The edge values of interop.reference, as the Triton lowering decides them per head row.
+    # The edge values of interop.core.reference, as the Triton lowering decides them per head row.
     inv_rms = jnp.where(mean_square_eps < SMALLEST_NORMAL_FP32, 0.0, jax.lax.rsqrt(mean_square_eps))
     inv_rms = jnp.where(sum_squares < jnp.inf, inv_rms, jnp.nan)
     normed = (k * jax.lax.broadcast_in_dim(inv_rms, k.shape, (0,))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from fusedkv_jax.materializer import FusedKVMaterializer
-from interop.materializer_spec import LayerKV, head_parallel_layers
+from interop.core.materializer import LayerKV, head_parallel_layers
 
 
 def head_major_kv(kv: jax.Array, *, num_kv_heads: int, head_dim: int, num_shards: int) -> jax.Array:
@@ -64,7 +64,7 @@ def head_parallel_materializer(
     """A materializer for ``jax.shard_map`` over ``axis_name``, each device its own heads, and its in_specs.
 
     Device ``r`` of the axis (of size ``R``) gets the column-parallel share of every
-    layer (:func:`~interop.materializer_spec.head_parallel_layers`: the K and V rows of
+    layer (:func:`~interop.core.materializer.head_parallel_layers`: the K and V rows of
     heads ``[r*H/R, (r+1)*H/R)``); the k_norm weights, eps and cos/sin table are
     replicated. Inside the ``shard_map`` the materializer is the one-device
     materializer of that device's heads: ``materialize`` returns ``[n_layers,

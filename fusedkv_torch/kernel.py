@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 
 from fusedkv_torch.launcher import DirectLauncher
-from interop.reference import FP8_E4M3_MAX, FP8_SCALE_MAX, FP8_SCALE_MIN, SMALLEST_NORMAL_FP32
-from interop.spec import FusedKVConfig, size_argument, tile_argument
+from interop.core.reference import FP8_E4M3_MAX, FP8_SCALE_MAX, FP8_SCALE_MIN, SMALLEST_NORMAL_FP32
+from interop.core.spec import FusedKVConfig, size_argument, tile_argument
 
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 _SMALLEST_NORMAL = tl.constexpr(SMALLEST_NORMAL_FP32)
@@ -82,7 +82,7 @@ def _store_rotary_halves(base_ptrs, stride, first, second, mask, TOKENS: tl.cons
 @triton.jit
 def _to_destination(values, scale, inverse_scale, dtype: tl.constexpr, QUANTIZE: tl.constexpr):
     """fp32 values in the destination dtype; an fp8 cache holds ``values / scale`` saturated,
-    or NaN where the scale is outside ``[FP8_SCALE_MIN, FP8_SCALE_MAX]`` (interop.reference).
+    or NaN where the scale is outside ``[FP8_SCALE_MIN, FP8_SCALE_MAX]`` (interop.core.reference).
 
     The quotient is the correctly rounded ``values / scale`` of the reference, without a
     division per element (an IEEE division is a dozen instructions and a branch, enough
@@ -143,7 +143,7 @@ def _load_head_rows(row_ptrs, stride, mask, TOKENS: tl.constexpr, HEADS: tl.cons
 
 @triton.jit
 def _inverse_rms(first, second, tail, eps, rotatable, HEAD_DIM: tl.constexpr, TAIL_BLOCK: tl.constexpr):
-    """``rsqrt(mean(k*k) + eps)`` per head row, with the edge values of interop.reference:
+    """``rsqrt(mean(k*k) + eps)`` per head row, with the edge values of interop.core.reference:
     zeros where there is no scale to normalize by (rsqrt flushes denormals, hence a
     threshold), NaN where the sum of squares is not finite or the token has no rotation."""
     sum_squares = tl.sum(first * first, 2) + tl.sum(second * second, 2)

@@ -21,8 +21,8 @@ import torch
 
 # The op in its two steps, so that a bad call is rejected before the GEMM launches.
 from fusedkv_torch.ops import prepare_cache_call, prepare_call
-from interop.materializer_spec import LayerKV, validate_layers, validate_materialize, validate_reserve
-from interop.spec import check_arrays
+from interop.core.materializer import LayerKV, validate_layers, validate_materialize, validate_reserve
+from interop.core.spec import check_arrays
 
 
 _MAX_WORKSPACE_VIEWS = 4096
@@ -96,9 +96,9 @@ class FusedKVMaterializer:
     ``kv: dtype[total_ctx, n_layers, 2*kv_size]`` for free; ``dtype`` is the weights'.
 
     Args:
-      layers: one :class:`~interop.materializer_spec.LayerKV` per draft layer, holding
+      layers: one :class:`~interop.core.materializer.LayerKV` per draft layer, holding
         torch tensors on the device to run on; validated by
-        :func:`~interop.materializer_spec.validate_layers` (the first layer that
+        :func:`~interop.core.materializer.validate_layers` (the first layer that
         differs from layer 0 is named).
       cos_sin_cache: optional fp32[max_position, rotary_dim] replacing the table that
         is otherwise built from the layers' ``rope.base``.

@@ -1,7 +1,7 @@
 """The public torch functions of fusedkv, their validation and their torch.library ops.
 
 :func:`fused_kv_norm_rope` and :func:`fused_kv_norm_rope_into_cache` validate a call
-(``interop.spec``) and launch the Triton kernel of :mod:`fusedkv_torch.kernel`: eager
+(``interop.core.spec``) and launch the Triton kernel of :mod:`fusedkv_torch.kernel`: eager
 calls launch it directly, traced calls (``torch.compile``) through the registered op,
 which the graph then records. Each op sits with its fake and its public function.
 """
@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from fusedkv_torch.kernel import _launch, _launcher, launch, supports_dependent_launch, tuned_plan
-from interop.spec import (
+from interop.core.spec import (
     AcceptedCall,
     CallShape,
     FusedKVConfig,
@@ -23,8 +23,8 @@ from interop.spec import (
     check_positions_in_range,
 )
 
-# Validation of shapes, dtypes and devices (interop.spec) costs more host time than the
-# launch: an eager call whose signature (interop.spec.call_signature) passed before is not
+# Validation of shapes, dtypes and devices (interop.core.spec) costs more host time than the
+# launch: an eager call whose signature (interop.core.spec.call_signature) passed before is not
 # checked again, and its launch plan and compiled kernels are kept with it (the signature
 # names every tensor's dtype and device, as DirectLauncher's ``compiled`` needs). What the
 # signature cannot tell is checked on every call: that the outputs overlap neither each
@@ -254,10 +254,10 @@ def fused_kv_norm_rope(
     ).launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, check_positions)
 
 
-def fused_kv_norm_rope_validated(accepted: AcceptedCall, kv, k_norm_weight, eps, cos_sin_cache, positions, *,
+def fused_kv_norm_rope_accepted(accepted: AcceptedCall, kv, k_norm_weight, eps, cos_sin_cache, positions, *,
                                  k_out=None, v_out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`fused_kv_norm_rope` on torch tensors made from arrays that ``interop`` validated
-    as ``accepted`` (``interop.spec.accept_call``, then ``check_output_buffers``): those
+    as ``accepted`` (``interop.core.spec.accept_call``, then ``check_output_buffers``): those
     checks are not run again. Not for other callers: the public function checks everything."""
     return _prepared(accepted, kv.device, False, False, False, False).launch(
         kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, False)

@@ -10,7 +10,7 @@ once torch rewrites the tensor in place.
 
 A call's route (backend chosen, outputs written in place, whether anything crosses)
 depends on its arrays' types alone, so it is kept with the accepted call's signature
-(``interop.spec.AcceptedCall``) and a repeated call only looks it up.
+(``interop.core.spec.AcceptedCall``) and a repeated call only looks it up.
 
 Given ``k_out``/``v_out`` and where they are written:
 
@@ -30,41 +30,13 @@ call before anything is launched.
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 
 import numpy as np
 
 from interop.exchange import cross, framework_of, returns_to, to_caller, to_framework
-from interop.spec import accept_call, check_output_buffers
-
-BACKENDS = ("torch", "jax")
-
-
-def load_backend(name: str):
-    """The kernel package of ``name`` (``fusedkv_torch`` or ``fusedkv_jax``), imported once.
-
-    The environment is the caller's: without a GPU, the torch backend runs only where
-    ``TRITON_INTERPRET=1`` was set before ``fusedkv_torch`` was imported, and otherwise
-    refuses its call with a ``ValueError`` that says so (the ``fusedkv`` command sets it).
-    """
-    if name not in BACKENDS:
-        raise ValueError(f"Invalid backend for fused KV materialization: got {name!r}, "
-                         f"expected one of {BACKENDS + ('auto',)}.")
-    module = _BACKEND_MODULES.get(name)
-    if module is None:
-        module = _BACKEND_MODULES[name] = importlib.import_module(f"fusedkv_{name}")
-    return module
-
-
-_BACKEND_MODULES: dict = {}
-
-
-@functools.cache
-def backend_installed(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None and (
-        name != "torch" or importlib.util.find_spec("triton") is not None)
-
+from interop.core.spec import accept_call, check_output_buffers
+from interop.registry import BACKENDS, backend_installed, load_backend
 
 def choose_backend(backend: str, caller: str) -> str:
     """``auto``: the caller's own framework when its backend is installed, else the other."""
@@ -128,10 +100,10 @@ def fused_kv_norm_rope(
     if not route.crosses:
         # Everything is the backend's already: nothing crosses either way, and its results
         # (the outputs given, written in place, or new arrays) are the caller's.
-        return tuple(route.module.fused_kv_norm_rope_validated(accepted, *arrays, **in_place))
+        return tuple(route.module.fused_kv_norm_rope_accepted(accepted, *arrays, **in_place))
     inputs = cross(arrays, route.backend, one_launch=True)  # read by the backend's launch alone
     in_place = {name: to_framework(out, route.backend) for name, out in in_place.items()}
-    results = route.module.fused_kv_norm_rope_validated(accepted, *inputs, **in_place)
+    results = route.module.fused_kv_norm_rope_accepted(accepted, *inputs, **in_place)
     return _deliver((k_out, v_out), results, route.caller, route.backend)
 
 

@@ -38,10 +38,9 @@ from typing import Sequence
 
 import numpy as np
 
-from interop.arrays import numpy_dtype
-from interop.spec import dtype_name, framework_of
+from interop.core.arrays import numpy_dtype
+from interop.core.spec import SATURATED_INDEX_RANGE, dtype_name, framework_of
 
-INT32_MAX = 2**31 - 1
 
 
 def to_torch(array):
@@ -70,27 +69,10 @@ def to_jax(array):
         array = _torch_for_jax(array)
     elif isinstance(array, np.ndarray):
         # Host memory goes to jax's default device, where the kernel will run.
+        from fusedkv_jax.indices import narrow_for_jax
+
         return jax.device_put(narrow_for_jax(array))
     return jax.dlpack.from_dlpack(array)
-
-
-def narrow_for_jax(indices):
-    """Host int64 indices as int32 where jax holds no int64 (x64 off), values saturated.
-
-    jax would wrap them instead, which can carry an out-of-range position or slot into
-    range (2**32 + 3 becomes 3); saturated, it stays out of every cos/sin table and
-    cache. Anything else (device arrays, tracers, other dtypes) passes unchanged.
-    """
-    if isinstance(indices, np.ndarray) and dtype_name(indices.dtype) == "int64" and not _jax_holds_int64():
-        return np.clip(indices, -1, INT32_MAX).astype(np.int32)
-    return indices
-
-
-def _jax_holds_int64() -> bool:
-    """Whether jax keeps int64 as int64 (x64 on, globally or in an ``enable_x64`` scope)."""
-    import jax
-
-    return jax.dtypes.canonicalize_dtype(np.int64) == np.int64
 
 
 def _torch_for_jax(tensor):
@@ -98,8 +80,10 @@ def _torch_for_jax(tensor):
 
     if tensor.requires_grad:  # torch exports no tensor that requires grad
         tensor = tensor.detach()
-    if tensor.dtype == torch.int64 and not _jax_holds_int64():
-        tensor = tensor.clamp(-1, INT32_MAX).to(torch.int32)
+    from fusedkv_jax.indices import jax_holds_int64
+
+    if tensor.dtype == torch.int64 and not jax_holds_int64():
+        tensor = tensor.clamp(*SATURATED_INDEX_RANGE).to(torch.int32)
     if not (tensor.is_contiguous() or _compact(tensor)):
         tensor = tensor.contiguous()
     return tensor

@@ -15,9 +15,11 @@ import dataclasses
 
 import numpy as np
 
-from interop.arrays import as_numpy, numpy_dtype
-from interop.reference import rope_cos_sin_cache
-from interop.spec import FusedKVConfig, dtype_name
+from interop.core.arrays import as_numpy, numpy_dtype
+from interop.core.materializer import LayerKV, RopeConfig, materializer_reference, stacked_op_arrays, validate_layers
+from interop.core.reference import (fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference,
+                                    rope_cos_sin_cache)
+from interop.core.spec import FusedKVConfig, dtype_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,3 +319,57 @@ def assert_bit_exact(got, expected, *, name: str = "v") -> None:
             f"{name}: {count} of {expected_np.size} elements differ bitwise; first at index "
             f"{first}: got {float(got_np[first])!r}, expected {float(expected_np[first])!r}"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class MaterializerCase:
+    """Host (NumPy) arguments of one materializer and one call on it."""
+
+    layers: tuple[LayerKV, ...]
+    ctx_hidden: np.ndarray
+    positions: np.ndarray
+
+    def op_reference(self, kv, **cache):
+        """The op's reference on ``kv`` (a materializer's own GEMM output) with these layers'
+        arrays and positions; given ``cache_loc``, ``k_cache``, ``v_cache`` (and scales), the
+        reference of the op written into those caches."""
+        arrays = (kv, *stacked_op_arrays(self.layers), self.positions)
+        static = validate_layers(self.layers).op_kwargs()
+        if not cache:
+            return fused_kv_norm_rope_reference(*arrays, **static)
+        return fused_kv_norm_rope_into_cache_reference(*arrays, **cache, **static)
+
+    def end_to_end_reference(self):
+        """:func:`materializer_reference` of this case."""
+        return materializer_reference(self.layers, self.ctx_hidden, self.positions)
+
+
+def random_case(
+    op: FusedKVConfig,
+    *,
+    n_layers: int,
+    hidden: int,
+    total_ctx: int,
+    max_position: int = 4096,
+    dtype: str = "bfloat16",
+    position_dtype: str = "int32",
+    seed: int = 0,
+) -> MaterializerCase:
+    """Fresh random layers and hidden states; k_norm weights, eps and positions as the op's.
+
+    Projection weights are gaussian with variance 1/hidden so that kv, like the op's
+    random inputs, is of order one.
+    """
+    op_inputs = random_inputs(op, n_layers=n_layers, total_ctx=total_ctx, max_position=max_position,
+                              position_dtype=position_dtype, seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    weights = rng.standard_normal((n_layers, 2 * op.kv_size, hidden), dtype=np.float32)
+    weights /= np.sqrt(hidden)
+    rope = RopeConfig(op.rotary_dim, max_position, style=op.rope_style)
+    layers = tuple(
+        LayerKV(weights[index].astype(numpy_dtype(dtype)), op_inputs.k_norm_weight[index],
+                float(op_inputs.eps[index]), op.num_kv_heads, op.head_dim, rope)
+        for index in range(n_layers)
+    )
+    ctx_hidden = rng.standard_normal((total_ctx, hidden), dtype=np.float32).astype(numpy_dtype(dtype))
+    return MaterializerCase(layers, ctx_hidden, op_inputs.positions)

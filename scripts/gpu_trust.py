@@ -52,14 +52,15 @@ import fusedkv_torch  # noqa: E402
 import interop  # noqa: E402
 from fusedkv_jax.materializer import FusedKVMaterializer as JaxMaterializer  # noqa: E402
 from fusedkv_torch.materializer import FusedKVMaterializer as TorchMaterializer  # noqa: E402
-from interop.arrays import as_numpy, numpy_dtype  # noqa: E402
+from interop.core.arrays import as_numpy, numpy_dtype  # noqa: E402
 from interop.exchange import to_jax, to_torch  # noqa: E402
-from interop.materializer_spec import random_case, stacked_op_arrays  # noqa: E402
-from interop.reference import (  # noqa: E402
+from interop.core.materializer import stacked_op_arrays  # noqa: E402
+from interop.testing import random_case  # noqa: E402
+from interop.core.reference import (  # noqa: E402
     fused_kv_norm_rope_into_cache_reference,
     fused_kv_norm_rope_reference,
 )
-from interop.spec import FusedKVConfig  # noqa: E402
+from interop.core.spec import FusedKVConfig  # noqa: E402
 from interop.testing import assert_bit_exact, assert_close, random_inputs  # noqa: E402
 
 MIB = 2**20

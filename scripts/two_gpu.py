@@ -10,7 +10,7 @@ set here before either framework starts). With fewer than two GPUs it says so an
 Draft shape throughout: 5 layers, 8 KV heads, head_dim 128, neox, bf16.
 
 * PyTorch, two NCCL ranks (one process per GPU): each builds its ``FusedKVMaterializer``
-  from its four heads (``interop.materializer_spec.head_parallel_layers``) and writes its
+  from its four heads (``interop.core.materializer.head_parallel_layers``) and writes its
   own paged caches through ``materialize_into_cache`` at 8192 tokens (hidden 4096).
   Checks: each rank's cache slots against the reference on its own projection (a sample
   of tokens; K by the tolerance table, V bit for bit), slots not addressed left
@@ -55,11 +55,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.measure import DRAFT, DRAFT_STATIC, N_LAYERS  # noqa: E402
-from interop.arrays import as_numpy, numpy_dtype  # noqa: E402
+from interop.core.arrays import as_numpy, numpy_dtype  # noqa: E402
 from interop.bench.shapes import MAX_POSITION  # noqa: E402
 from interop.bench.timers import graph_replay_seconds  # noqa: E402
-from interop.materializer_spec import head_parallel_layers, random_case, stacked_op_arrays  # noqa: E402
-from interop.reference import fused_kv_norm_rope_reference  # noqa: E402
+from interop.core.materializer import head_parallel_layers, stacked_op_arrays  # noqa: E402
+from interop.testing import random_case  # noqa: E402
+from interop.core.reference import fused_kv_norm_rope_reference  # noqa: E402
 from interop.testing import END_TO_END_TOLERANCE, bit_mismatches, compare, random_inputs  # noqa: E402
 
 WORLD_SIZE = 2

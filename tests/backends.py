@@ -17,8 +17,8 @@ import re
 
 import numpy as np
 
-from interop.arrays import as_numpy
-from interop.spec import device_name
+from interop.core.arrays import as_numpy
+from interop.core.spec import device_name
 
 
 class Backend:

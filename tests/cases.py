@@ -5,7 +5,7 @@ count, a strided ``kv`` or not, indices on the host or not, positions outside th
 cos/sin table) and the seed that makes its arrays (``interop.testing.random_inputs``);
 an :class:`OpCase` is a ``fused_kv_norm_rope`` call, a :class:`CacheCase` one into a
 paged cache. :func:`check_op_case` and :func:`check_cache_case` run one on a backend
-(``backends.py``) and hold it to ``interop.reference``: K within the tolerance table, V
+(``backends.py``) and hold it to ``interop.core.reference``: K within the tolerance table, V
 bit for bit, all-NaN K rows where a position is out of range, cache slots not written
 bit for bit as poisoned. The contract suite lists its cases; the property tests draw them.
 """
@@ -17,9 +17,9 @@ import dataclasses
 import numpy as np
 from hypothesis import currently_in_test_context, note
 
-from interop.arrays import as_numpy, numpy_dtype
-from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
-from interop.spec import FusedKVConfig
+from interop.core.arrays import as_numpy, numpy_dtype
+from interop.core.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
+from interop.core.spec import FusedKVConfig
 from interop.testing import assert_bit_exact, assert_close, assert_fp8_close, random_inputs
 
 FP8 = "float8_e4m3fn"

@@ -2,7 +2,7 @@
 
 ``tests/test_sharding.py`` starts ``WORLD_SIZE`` of these (gloo, CPU, the Triton kernel
 in interpret mode). Each rank builds its materializer from its share of the heads
-(:func:`interop.materializer_spec.head_parallel_layers`; one rank: the whole layers) and runs ``materialize`` and
+(:func:`interop.core.materializer.head_parallel_layers`; one rank: the whole layers) and runs ``materialize`` and
 ``materialize_into_cache`` on its own caches; then, for the test only, rank 0 gathers
 every rank's projection, results and caches and writes them to ``DIR/world{WORLD_SIZE}.npz``
 (as float32, which holds every bfloat16 value exactly).
@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 
 from fusedkv_torch import FusedKVMaterializer
-from interop.arrays import as_numpy
+from interop.core.arrays import as_numpy
 from interop.exchange import to_torch
-from interop.materializer_spec import head_parallel_layers, random_case
-from interop.spec import FusedKVConfig
+from interop.core.materializer import head_parallel_layers
+from interop.testing import random_case
+from interop.core.spec import FusedKVConfig
 
 OP = FusedKVConfig(num_kv_heads=4, head_dim=32, rotary_dim=16, rope_style="gptj")
 N_LAYERS, HIDDEN, NUM_SLOTS = 2, 64, 8

@@ -1,4 +1,4 @@
-"""Calls remembered as validated (interop.spec.accept_call): the one call signature that every
+"""Calls remembered as validated (interop.core.spec.accept_call): the one call signature that every
 entry point keys on holds everything validation reads, so no changed call skips a check."""
 
 import os
@@ -14,10 +14,10 @@ jnp = jax.numpy
 import fusedkv_jax  # noqa: E402
 import fusedkv_torch  # noqa: E402
 import interop  # noqa: E402
-from interop import spec  # noqa: E402
-from interop.arrays import numpy_dtype  # noqa: E402
+from interop.core import spec  # noqa: E402
+from interop.core.arrays import numpy_dtype  # noqa: E402
 from interop.exchange import to_torch  # noqa: E402
-from interop.spec import (  # noqa: E402
+from interop.core.spec import (  # noqa: E402
     FusedKVConfig,
     call_signature,
     check_arrays,

@@ -19,8 +19,8 @@ from interop.bench.registry import BY_NAME, IMPLEMENTATIONS, Calls, Implementati
 from interop.bench.report import Measurement, annotate, format_table, write_data
 from interop.bench.runner import Effort, calls_per_jit, plan, run
 from interop.bench.shapes import DECODE_TOKENS, SHAPES, BenchShape
-from interop.reference import fused_kv_norm_rope_reference
-from interop.spec import FusedKVConfig
+from interop.core.reference import fused_kv_norm_rope_reference
+from interop.core.spec import FusedKVConfig
 from interop.testing import assert_bit_exact, assert_close, random_inputs
 
 # Timers sample once, with few calls a jit (compiling many takes long on the CPU): these

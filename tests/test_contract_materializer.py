@@ -18,10 +18,11 @@ import pytest
 
 from backends import host
 from cases import FP8
-from interop.arrays import numpy_dtype
-from interop.materializer_spec import random_case, stacked_op_arrays
-from interop.reference import fused_kv_norm_rope_reference, rope_cos_sin_cache
-from interop.spec import FusedKVConfig
+from interop.core.arrays import numpy_dtype
+from interop.core.materializer import stacked_op_arrays
+from interop.testing import random_case
+from interop.core.reference import fused_kv_norm_rope_reference, rope_cos_sin_cache
+from interop.core.spec import FusedKVConfig
 from interop.testing import END_TO_END_TOLERANCE, assert_bit_exact, assert_close, assert_fp8_close
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -300,7 +301,7 @@ class TestMaterializer:
         layers[1] = dataclasses.asdict(layers[1])
         with pytest.raises(TypeError, match=backend.error_pattern(
                 "Invalid layers[1] for fused KV materialization: got dict, expected an "
-                "interop.materializer_spec.LayerKV.")):
+                "interop.core.materializer.LayerKV.")):
             backend.kernel.FusedKVMaterializer(layers)
 
     @pytest.mark.parametrize("field", ["kv_proj_weight", "k_norm_weight"])

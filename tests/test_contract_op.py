@@ -20,10 +20,10 @@ import pytest
 from backends import host
 from cases import (FP8, CacheCase, Call, OpCase, check_cache_case, check_op_case, forgive_interpreters_fp8_nan,
                    forgive_interpreters_fp8_ties, poisoned)
-from interop.arrays import numpy_dtype
-from interop.reference import (FP8_SCALE_MAX, FP8_SCALE_MIN, fused_kv_norm_rope_into_cache_reference,
+from interop.core.arrays import numpy_dtype
+from interop.core.reference import (FP8_SCALE_MAX, FP8_SCALE_MIN, fused_kv_norm_rope_into_cache_reference,
                                fused_kv_norm_rope_reference)
-from interop.spec import FusedKVConfig, device_name
+from interop.core.spec import FusedKVConfig, device_name
 from interop.testing import Tolerance, assert_bit_exact, assert_close, assert_fp8_close, compare, random_inputs
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")

@@ -20,11 +20,11 @@ jnp = jax.numpy
 import interop  # noqa: E402
 from interop.command import check as check_command  # noqa: E402
 from interop.command import cli  # noqa: E402
-from interop.arrays import as_numpy, numpy_dtype  # noqa: E402
+from interop.core.arrays import as_numpy, numpy_dtype  # noqa: E402
 from interop.command.backends import run_backend  # noqa: E402
 from interop.exchange import framework_of, to_jax, to_torch  # noqa: E402
-from interop.reference import fused_kv_norm_rope_reference  # noqa: E402
-from interop.spec import FusedKVConfig  # noqa: E402
+from interop.core.reference import fused_kv_norm_rope_reference  # noqa: E402
+from interop.core.spec import FusedKVConfig  # noqa: E402
 from interop.testing import assert_bit_exact, assert_close, random_inputs  # noqa: E402
 
 CONFIG = FusedKVConfig(num_kv_heads=2, head_dim=32, rotary_dim=32)
@@ -87,9 +87,9 @@ def test_given_torch_outputs_are_written_and_returned(backend):
 def test_auto_picks_the_callers_own_backend(monkeypatch):
     seen = []
     for name in ("torch", "jax"):
-        module = interop.dispatch.load_backend(name)
-        real = module.fused_kv_norm_rope_validated
-        monkeypatch.setattr(module, "fused_kv_norm_rope_validated",
+        module = interop.registry.load_backend(name)
+        real = module.fused_kv_norm_rope_accepted
+        monkeypatch.setattr(module, "fused_kv_norm_rope_accepted",
                             lambda *a, _real=real, _name=name, **k: seen.append(_name) or _real(*a, **k))
     inputs = _inputs(seed=8)
     interop.fused_kv_norm_rope(*(_as_caller(a, "jax") for a in inputs.arrays()), **STATIC)
@@ -100,7 +100,7 @@ def test_auto_picks_the_callers_own_backend(monkeypatch):
 
 @pytest.mark.parametrize("caller, backend", [("torch", "jax"), ("jax", "torch")])
 def test_contiguous_inputs_cross_without_a_copy(monkeypatch, caller, backend):
-    module = interop.dispatch.load_backend(backend)
+    module = interop.registry.load_backend(backend)
     received = {}
 
     def spy(accepted, kv, k_norm_weight, eps, cos_sin_cache, positions, **kwargs):
@@ -108,8 +108,8 @@ def test_contiguous_inputs_cross_without_a_copy(monkeypatch, caller, backend):
                         cache=_pointer(cos_sin_cache), positions=_pointer(positions))
         return module_real(accepted, kv, k_norm_weight, eps, cos_sin_cache, positions, **kwargs)
 
-    module_real = module.fused_kv_norm_rope_validated
-    monkeypatch.setattr(module, "fused_kv_norm_rope_validated", spy)
+    module_real = module.fused_kv_norm_rope_accepted
+    monkeypatch.setattr(module, "fused_kv_norm_rope_accepted", spy)
     args = [_as_caller(a, caller) for a in _inputs(seed=9).arrays()]
     interop.fused_kv_norm_rope(*args, **STATIC, backend=backend)
     assert received == dict(kv=_pointer(args[0]), weight=_pointer(args[1]),
@@ -330,8 +330,8 @@ def _refused_before_any_backend_runs(monkeypatch, error, message, *args, **kwarg
     """Call interop with a spy on both backends; the call must raise ``message`` and run neither."""
     ran = []
     for name in ("torch", "jax"):
-        module = interop.dispatch.load_backend(name)
-        for entry in ("fused_kv_norm_rope", "fused_kv_norm_rope_validated"):
+        module = interop.registry.load_backend(name)
+        for entry in ("fused_kv_norm_rope", "fused_kv_norm_rope_accepted"):
             monkeypatch.setattr(module, entry, lambda *a, _name=name, **k: ran.append(_name))
     with pytest.raises(error, match=f"^{re.escape(message)}$"):
         interop.fused_kv_norm_rope(*args, **kwargs)
@@ -503,7 +503,7 @@ def test_the_library_leaves_the_environment_alone_and_the_torch_backend_says_wha
         import os
         import interop
         from interop.testing import random_inputs
-        from interop.spec import FusedKVConfig
+        from interop.core.spec import FusedKVConfig
 
         inputs = random_inputs(FusedKVConfig(2, 64, 32), n_layers=2, total_ctx=3, max_position=16)
         try:

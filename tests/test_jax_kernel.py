@@ -19,9 +19,9 @@ import pytest
 from fusedkv_jax import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_jax import kernel as jax_kernel
 from fusedkv_jax.kernel import default_lowering
-from interop.arrays import numpy_dtype
-from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
-from interop.spec import FusedKVConfig
+from interop.core.arrays import numpy_dtype
+from interop.core.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
+from interop.core.spec import FusedKVConfig
 from interop.testing import assert_bit_exact, assert_close, random_inputs
 
 ON_GPU = jax.default_backend() == "gpu"

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from fusedkv_jax.materializer import FusedKVMaterializer
-from interop.materializer_spec import random_case
-from interop.spec import FusedKVConfig
+from interop.testing import random_case
+from interop.core.spec import FusedKVConfig
 from interop.testing import assert_bit_exact, assert_close
 
 ON_GPU = jax.default_backend() == "gpu"

@@ -6,15 +6,15 @@ import re
 import numpy as np
 import pytest
 
-from interop.arrays import numpy_dtype
-from interop.materializer_spec import (
+from interop.core.arrays import numpy_dtype
+from interop.core.materializer import (
     RopeConfig,
-    random_case,
     validate_layers,
     validate_materialize,
     validate_reserve,
 )
-from interop.spec import FusedKVConfig
+from interop.core.spec import FusedKVConfig
+from interop.testing import random_case
 
 OP = FusedKVConfig(num_kv_heads=2, head_dim=32, rotary_dim=32)
 ROPE = RopeConfig(rotary_dim=32, max_position=64)
@@ -91,7 +91,7 @@ def test_a_layer_that_is_not_a_layer_kv_is_refused_before_any_of_its_fields_is_r
     layers[2] = dataclasses.asdict(layers[2])
     with pytest.raises(TypeError, match="^" + re.escape(
             "Invalid layers[2] for fused KV materialization: got dict, expected an "
-            "interop.materializer_spec.LayerKV.") + "$"):
+            "interop.core.materializer.LayerKV.") + "$"):
         validate_layers(layers)
 
 

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from fusedkv_torch.materializer import FusedKVMaterializer
-from interop.arrays import as_numpy
+from interop.core.arrays import as_numpy
 from interop.exchange import to_torch
-from interop.materializer_spec import random_case, stacked_op_arrays
-from interop.reference import fused_kv_norm_rope_into_cache_reference
-from interop.spec import FusedKVConfig
+from interop.core.materializer import stacked_op_arrays
+from interop.testing import random_case
+from interop.core.reference import fused_kv_norm_rope_into_cache_reference
+from interop.core.spec import FusedKVConfig
 from interop.testing import assert_bit_exact, assert_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

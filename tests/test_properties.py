@@ -4,7 +4,7 @@ Hypothesis draws the whole call (layers, heads, head_dim, rotary_dim, rope style
 token count, a strided or contiguous ``kv``, given or absent outputs, int32/int64
 positions with some out of range, a paged cache with padding slots and fp8 caches) and a
 seed for NumPy's generator, which makes the arrays (``interop.testing.random_inputs``).
-Expected values come from ``interop.reference`` alone: K within the tolerance table, V
+Expected values come from ``interop.core.reference`` alone: K within the tolerance table, V
 bit for bit, all-NaN K rows where a position is out of range, untouched cache slots
 bit for bit as poisoned.
 
@@ -30,10 +30,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cases import FP8, CacheCase, Call, OpCase, check_cache_case, check_op_case
-from interop.exchange import INT32_MAX
-from interop.spec import KV_DTYPES, POSITION_DTYPES, ROPE_STYLES
+from interop.core.spec import KV_DTYPES, POSITION_DTYPES, ROPE_STYLES, SATURATED_INDEX_RANGE
 
 INT32_MIN = -(2**31)
+INT32_MAX = SATURATED_INDEX_RANGE[1]
 
 
 @dataclasses.dataclass(frozen=True)

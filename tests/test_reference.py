@@ -5,13 +5,13 @@ import zlib
 import numpy as np
 import pytest
 
-from interop.arrays import numpy_dtype
-from interop.reference import (
+from interop.core.arrays import numpy_dtype
+from interop.core.reference import (
     fused_kv_norm_rope_into_cache_reference,
     fused_kv_norm_rope_reference,
     rope_cos_sin_cache,
 )
-from interop.spec import FusedKVConfig
+from interop.core.spec import FusedKVConfig
 from interop.testing import Tolerance, assert_bit_exact, assert_close, random_inputs
 
 

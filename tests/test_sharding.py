@@ -21,10 +21,11 @@ import pytest
 import torch
 
 from fusedkv_jax.sharding import head_major_kv
-from interop.arrays import numpy_dtype
-from interop.materializer_spec import head_parallel_layers, materializer_reference, random_case, stacked_op_arrays
-from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
-from interop.spec import FusedKVConfig
+from interop.core.arrays import numpy_dtype
+from interop.core.materializer import head_parallel_layers, materializer_reference, stacked_op_arrays
+from interop.testing import random_case
+from interop.core.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
+from interop.core.spec import FusedKVConfig
 from interop.testing import END_TO_END_TOLERANCE, assert_bit_exact, assert_close
 
 ROOT = Path(__file__).resolve().parent.parent

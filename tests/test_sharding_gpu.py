@@ -19,10 +19,10 @@ from jax.sharding import PartitionSpec as P
 
 from fusedkv_jax import FusedKVMaterializer, fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_jax.sharding import head_parallel_materializer
-from interop.arrays import numpy_dtype
-from interop.materializer_spec import random_case
-from interop.reference import fused_kv_norm_rope_reference
-from interop.spec import FusedKVConfig
+from interop.core.arrays import numpy_dtype
+from interop.testing import random_case
+from interop.core.reference import fused_kv_norm_rope_reference
+from interop.core.spec import FusedKVConfig
 from interop.testing import END_TO_END_TOLERANCE, assert_bit_exact, assert_close, random_inputs
 
 pytestmark = [

@@ -28,10 +28,11 @@ from jax.sharding import PartitionSpec as P
 
 from fusedkv_jax import FusedKVMaterializer, fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_jax.sharding import head_major_kv, head_parallel_materializer
-from interop.arrays import numpy_dtype
-from interop.materializer_spec import random_case, stacked_op_arrays
-from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
-from interop.spec import FusedKVConfig
+from interop.core.arrays import numpy_dtype
+from interop.core.materializer import stacked_op_arrays
+from interop.testing import random_case
+from interop.core.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
+from interop.core.spec import FusedKVConfig
 from interop.testing import END_TO_END_TOLERANCE, assert_bit_exact, assert_close, random_inputs
 
 pytestmark = pytest.mark.skipif(

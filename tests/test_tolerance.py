@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from interop.arrays import numpy_dtype
-from interop.reference import fused_kv_norm_rope_into_cache_reference
-from interop.spec import FusedKVConfig
+from interop.core.arrays import numpy_dtype
+from interop.core.reference import fused_kv_norm_rope_into_cache_reference
+from interop.core.spec import FusedKVConfig
 from interop.testing import (
     TOLERANCES,
     assert_bit_exact,
@@ -169,7 +169,7 @@ def test_fp8_cache_from_float64_math_passes_against_the_fp32_reference():
 
 
 def float64_k(kv, weight, eps, cache, positions, *, heads, dim, rotary_dim):
-    """neox K in float64, vectorized; independent of interop.reference."""
+    """neox K in float64, vectorized; independent of interop.core.reference."""
     total_ctx, n_layers, _ = kv.shape
     half = rotary_dim // 2
     k = kv[:, :, :heads * dim].astype(np.float64).reshape(total_ctx, n_layers, heads, dim)

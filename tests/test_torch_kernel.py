@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from interop.arrays import as_numpy, numpy_dtype
+from interop.core.arrays import as_numpy, numpy_dtype
 from interop.exchange import to_torch
-from interop.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
-from interop import spec as spec_module
-from interop.spec import FusedKVConfig
+from interop.core.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
+from interop.core import spec as spec_module
+from interop.core.spec import FusedKVConfig
 from interop.testing import assert_bit_exact, assert_close, random_inputs
 from fusedkv_torch import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_torch import kernel as kernel_module
@@ -302,7 +302,7 @@ def test_without_a_gpu_or_the_interpreter_the_error_says_to_set_triton_interpret
         from fusedkv_torch import fused_kv_norm_rope
         from interop.exchange import to_torch
         from interop.testing import random_inputs
-        from interop.spec import FusedKVConfig
+        from interop.core.spec import FusedKVConfig
 
         inputs = random_inputs(FusedKVConfig(2, 64, 32), n_layers=2, total_ctx=3, max_position=16)
         args = [to_torch(array) for array in inputs.arrays()]

@@ -10,7 +10,7 @@ import torch
 
 import fusedkv_torch.ops  # noqa: F401  (registers torch.ops.fusedkv)
 from interop.exchange import to_torch
-from interop.spec import FusedKVConfig
+from interop.core.spec import FusedKVConfig
 from interop.testing import random_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

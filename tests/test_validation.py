@@ -5,10 +5,10 @@ import re
 import numpy as np
 import pytest
 
-from interop.reference import fused_kv_norm_rope_reference
-from interop.arrays import numpy_dtype
-from interop import spec
-from interop.spec import FusedKVConfig, check_arrays, validate_cache_call, validate_call
+from interop.core.reference import fused_kv_norm_rope_reference
+from interop.core.arrays import numpy_dtype
+from interop.core import spec
+from interop.core.spec import FusedKVConfig, check_arrays, validate_cache_call, validate_call
 from interop.testing import random_inputs
 
 CONFIG = FusedKVConfig(num_kv_heads=2, head_dim=8, rotary_dim=8)
@@ -182,7 +182,7 @@ def test_importing_interop_imports_neither_torch_nor_jax():
     import subprocess
     import sys
 
-    probe = ("import sys, interop, interop.command.cli, interop.dispatch, interop.materializer_spec; "
+    probe = ("import sys, interop, interop.command.cli, interop.dispatch, interop.core.materializer; "
              "print(sorted(m for m in ('torch', 'jax', 'triton') if m in sys.modules))")
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]"

@@ -3,14 +3,14 @@
 Both compute the reference's math (fp32, one rounding at the end) with the framework's
 own ops; ``torch.compile`` and ``jax.jit`` fuse them as they can. They are what the
 kernels are measured against, not references: every benchmark checks them against
-:func:`interop.reference.fused_kv_norm_rope_reference` like any other implementation.
+:func:`interop.core.reference.fused_kv_norm_rope_reference` like any other implementation.
 Positions must lie inside the cos/sin table (the op's NaN row for one outside it is
 not modelled: torch's indexing raises, jnp's clamps); the benchmarks draw them so.
 """
 
 from __future__ import annotations
 
-from interop.spec import FusedKVConfig
+from interop.core.spec import FusedKVConfig
 
 
 def torch_reference_math(kv, k_norm_weight, eps, cos_sin_cache, positions, *, config: FusedKVConfig):

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from interop.arrays import as_numpy
+from interop.core.arrays import as_numpy
 from interop.exchange import framework_of
-from interop.materializer_spec import materializer_reference, projection_reference
-from interop.reference import fused_kv_norm_rope_reference
+from interop.core.materializer import materializer_reference, projection_reference
+from interop.core.reference import fused_kv_norm_rope_reference
 from interop.testing import END_TO_END_TOLERANCE, bit_mismatches, compare
 
 CHECKED_ROWS = 64
@@ -106,7 +106,7 @@ def projection_verdict(kv, ctx_hidden, layers) -> str:
 def end_to_end_verdict(k, v, layers, ctx_hidden, positions) -> str:
     """``'ok'``, or what is wrong with ``(k, v)``, a materializer's outputs for ``ctx_hidden``.
 
-    Against the materializer's fp32 NumPy path (:func:`interop.materializer_spec.materializer_reference`)
+    Against the materializer's fp32 NumPy path (:func:`interop.core.materializer.materializer_reference`)
     under :data:`~interop.testing.END_TO_END_TOLERANCE`: checking against the op's reference
     on a second GEMM of the same inputs would hold the GEMM to its own rounding, which XLA
     may reach by another algorithm in another compilation.

@@ -31,13 +31,13 @@ import dataclasses
 import functools
 from typing import Callable
 
-from interop.arrays import numpy_dtype
+from interop.core.arrays import numpy_dtype
 from interop.bench.baselines import jnp_reference_math, torch_reference_math
 from interop.bench.check import copy_verdict, end_to_end_verdict, op_verdict, projection_verdict
 from interop.bench.shapes import MAX_POSITION, BenchShape
 from interop.bench.workload import Workload
 from interop.exchange import to_torch
-from interop.materializer_spec import random_case
+from interop.testing import random_case
 
 KINDS = ("kernel", "baseline", "copy", "floor", "materializer", "interop", "host")
 # The custom call jax lowers a Mosaic GPU kernel to (jax 0.10-0.11).

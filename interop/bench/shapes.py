@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from interop.arrays import numpy_dtype
-from interop.spec import KV_DTYPES, FusedKVConfig
+from interop.core.arrays import numpy_dtype
+from interop.core.spec import KV_DTYPES, FusedKVConfig
 
 # Positions are drawn below this: the cos/sin table of a 32k-context draft.
 MAX_POSITION = 32768

@@ -14,10 +14,10 @@ import time
 
 import numpy as np
 
-from interop import dispatch
-from interop.arrays import as_numpy
+from interop import dispatch, registry
+from interop.core.arrays import as_numpy
 from interop.exchange import to_jax, to_torch
-from interop.spec import FusedKVConfig
+from interop.core.spec import FusedKVConfig
 from interop.testing import OpInputs
 
 
@@ -37,12 +37,12 @@ class BackendUnavailable(Exception):
 
 def gpu_framework() -> str | None:
     """The framework that will hold the shared inputs on a GPU, or None without a GPU."""
-    if dispatch.backend_installed("torch"):
+    if registry.backend_installed("torch"):
         import torch
 
         if torch.cuda.is_available():
             return "torch"
-    if dispatch.backend_installed("jax"):
+    if registry.backend_installed("jax"):
         import jax
 
         if jax.default_backend() == "gpu":
@@ -75,7 +75,7 @@ class Platform:
 
 def platform(name: str) -> Platform:
     """What backend ``name`` runs on here, read from the frameworks without running anything."""
-    if not dispatch.backend_installed(name):
+    if not registry.backend_installed(name):
         needs = "torch and triton" if name == "torch" else "jax"
         return Platform(name, "-", f"not installed: needs {needs} (pip install fusedkv[{name}])")
     if name == "torch":
@@ -128,7 +128,7 @@ def _wait(outputs):
 def run_backend(name: str, placed: tuple, config: FusedKVConfig) -> BackendRun:
     """Call backend ``name`` twice on ``placed`` and time both calls (the first compiles)."""
     try:
-        dispatch.load_backend(name)
+        registry.load_backend(name)
     except ImportError as error:
         raise BackendUnavailable(f"{name} backend not installed ({error})") from error
 

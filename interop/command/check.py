@@ -8,9 +8,9 @@ import time
 from typing import Callable
 
 from interop.command.backends import BackendUnavailable, gpu_framework, place_inputs, run_backend
-from interop.dispatch import BACKENDS
-from interop.reference import fused_kv_norm_rope_reference
-from interop.spec import FusedKVConfig
+from interop.registry import BACKENDS
+from interop.core.reference import fused_kv_norm_rope_reference
+from interop.core.spec import FusedKVConfig
 from interop.testing import bit_mismatches, compare, random_inputs
 
 DEFAULT_TOKENS_GPU = 4096

@@ -10,10 +10,10 @@ import platform
 import sys
 
 import interop
-from interop import dispatch
+from interop import registry
 from interop.bench import add_bench_arguments, run_bench_command
 from interop.command import backends
-from interop.dispatch import BACKENDS
+from interop.registry import BACKENDS
 from interop.command.check import (
     DEFAULT_TOKENS_CPU,
     DEFAULT_TOKENS_GPU,
@@ -191,12 +191,12 @@ def _version(package: str) -> str:
 
 def _devices() -> list[str]:
     lines = []
-    if dispatch.backend_installed("torch"):
+    if registry.backend_installed("torch"):
         import torch
 
         cuda = [f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())]
         lines.append(f"torch: {', '.join(cuda) if cuda else 'cpu only (no CUDA device)'}")
-    if dispatch.backend_installed("jax"):
+    if registry.backend_installed("jax"):
         import jax
 
         lines.append(f"jax: {', '.join(str(device) for device in jax.devices())} "
@@ -216,7 +216,7 @@ def _info() -> int:
                  f"{CheckOptions().tokens()} tokens by default")
     # A plain `pip install jax` is CPU-only: beside a CUDA torch it leaves the Pallas kernel
     # interpreted, so name the jax build that matches torch's CUDA.
-    if dispatch.backend_installed("torch") and dispatch.backend_installed("jax"):
+    if registry.backend_installed("torch") and registry.backend_installed("jax"):
         import jax
         import torch
 
@@ -233,7 +233,7 @@ def _interpret_triton_without_gpu() -> None:
     reads ``TRITON_INTERPRET`` when the kernel is defined, so this comes before
     ``fusedkv_torch`` is imported; a command owns its process's environment, the
     library never sets it."""
-    if "fusedkv_torch" in sys.modules or not dispatch.backend_installed("torch"):
+    if "fusedkv_torch" in sys.modules or not registry.backend_installed("torch"):
         return
     import torch
 

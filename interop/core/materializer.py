@@ -22,13 +22,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from interop.arrays import as_numpy, numpy_dtype
-from interop.reference import (
+from interop.core.arrays import as_numpy, numpy_dtype
+from interop.core.reference import (
     fused_kv_norm_rope_into_cache_reference,
     fused_kv_norm_rope_reference,
     rope_cos_sin_cache,
 )
-from interop.spec import (
+from interop.core.spec import (
     KV_DTYPES,
     FusedKVConfig,
     _type_name,
@@ -39,7 +39,6 @@ from interop.spec import (
     size_argument,
     validate_call,
 )
-from interop.testing import random_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,13 +126,13 @@ def _layer_error(index: int, what: str, got, expected) -> ValueError:
 
 def _check_layer_arrays(layers: tuple, cos_sin_cache, accepted: str) -> None:
     """Refuse a layer that is not a :class:`LayerKV`, and weights (or a table) that are not
-    arrays of the materializer's framework (``accepted``, as :func:`interop.spec.check_arrays`)
+    arrays of the materializer's framework (``accepted``, as :func:`interop.core.spec.check_arrays`)
     or that have no data (torch's meta device), naming the layer and the field."""
     for index, layer in enumerate(layers):
         if not isinstance(layer, LayerKV):
             raise TypeError(
                 f"Invalid layers[{index}] for fused KV materialization: got {_type_name(layer)}, "
-                "expected an interop.materializer_spec.LayerKV."
+                "expected an interop.core.materializer.LayerKV."
             )
         for field in ("kv_proj_weight", "k_norm_weight"):
             name, array = f"layers[{index}].{field}", getattr(layer, field)
@@ -152,11 +151,11 @@ def validate_layers(layers: Sequence[LayerKV], cos_sin_cache=None, *,
 
     First each layer must be a :class:`LayerKV` whose arrays (and ``cos_sin_cache``) are
     of the materializer's framework (``accepted``: ``'torch'``, ``'jax'`` or ``'any'``, as
-    :func:`interop.spec.check_arrays`) and hold data. Then layer 0 sets the configuration;
+    :func:`interop.core.spec.check_arrays`) and hold data. Then layer 0 sets the configuration;
     each layer in turn is checked for its heads, head_dim, rope configuration, projection
     weight shape and dtype, k_norm weight shape and eps, and the first difference raises
     ``ValueError`` naming the layer.
-    Then the op's own validation (:func:`interop.spec.validate_call`) runs on the
+    Then the op's own validation (:func:`interop.core.spec.validate_call`) runs on the
     stacked shapes: the rotary/head dim pair, the rope style, the kv dtype (the
     weights' dtype, that of the GEMM's output) and the cos/sin table, which is either
     ``cos_sin_cache`` (fp32[rope.max_position, rotary_dim]) or built from ``rope.base``.
@@ -216,7 +215,7 @@ def validate_materialize(ctx_hidden, config: MaterializerConfig, max_position: i
     """Check one materialize call's hidden states and position bound; return total_ctx.
 
     ``ctx_hidden`` and the ``(name, array)`` pairs of ``arrays`` must be arrays of the
-    materializer's framework (``accepted``, as :func:`interop.spec.check_arrays`).
+    materializer's framework (``accepted``, as :func:`interop.core.spec.check_arrays`).
     ``max_position``, when given, is the caller's bound on its positions, checked
     against the table on the host instead of reading the positions back (a sync).
     """
@@ -295,60 +294,6 @@ def head_parallel_layers(layers: Sequence[LayerKV], rank: int, world_size: int) 
     return tuple(dataclasses.replace(layer, kv_proj_weight=layer.kv_proj_weight[rows],
                                      num_kv_heads=heads // world_size)
                  for layer in layers)
-
-
-@dataclasses.dataclass(frozen=True)
-class MaterializerCase:
-    """Host (NumPy) arguments of one materializer and one call on it."""
-
-    layers: tuple[LayerKV, ...]
-    ctx_hidden: np.ndarray
-    positions: np.ndarray
-
-    def op_reference(self, kv, **cache):
-        """The op's reference on ``kv`` (a materializer's own GEMM output) with these layers'
-        arrays and positions; given ``cache_loc``, ``k_cache``, ``v_cache`` (and scales), the
-        reference of the op written into those caches."""
-        arrays = (kv, *stacked_op_arrays(self.layers), self.positions)
-        static = validate_layers(self.layers).op_kwargs()
-        if not cache:
-            return fused_kv_norm_rope_reference(*arrays, **static)
-        return fused_kv_norm_rope_into_cache_reference(*arrays, **cache, **static)
-
-    def end_to_end_reference(self):
-        """:func:`materializer_reference` of this case."""
-        return materializer_reference(self.layers, self.ctx_hidden, self.positions)
-
-
-def random_case(
-    op: FusedKVConfig,
-    *,
-    n_layers: int,
-    hidden: int,
-    total_ctx: int,
-    max_position: int = 4096,
-    dtype: str = "bfloat16",
-    position_dtype: str = "int32",
-    seed: int = 0,
-) -> MaterializerCase:
-    """Fresh random layers and hidden states; k_norm weights, eps and positions as the op's.
-
-    Projection weights are gaussian with variance 1/hidden so that kv, like the op's
-    random inputs, is of order one.
-    """
-    op_inputs = random_inputs(op, n_layers=n_layers, total_ctx=total_ctx, max_position=max_position,
-                              position_dtype=position_dtype, seed=seed)
-    rng = np.random.default_rng(seed + 1)
-    weights = rng.standard_normal((n_layers, 2 * op.kv_size, hidden), dtype=np.float32)
-    weights /= np.sqrt(hidden)
-    rope = RopeConfig(op.rotary_dim, max_position, style=op.rope_style)
-    layers = tuple(
-        LayerKV(weights[index].astype(numpy_dtype(dtype)), op_inputs.k_norm_weight[index],
-                float(op_inputs.eps[index]), op.num_kv_heads, op.head_dim, rope)
-        for index in range(n_layers)
-    )
-    ctx_hidden = rng.standard_normal((total_ctx, hidden), dtype=np.float32).astype(numpy_dtype(dtype))
-    return MaterializerCase(layers, ctx_hidden, op_inputs.positions)
 
 
 def stacked_op_arrays(layers, cos_sin_cache=None):

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from interop.arrays import as_numpy
-from interop.spec import validate_cache_call, validate_call
+from interop.core.arrays import as_numpy
+from interop.core.spec import validate_cache_call, validate_call
 
 
 def fused_kv_norm_rope_reference(

@@ -31,6 +31,10 @@ KV_DTYPES = ("bfloat16", "float16", "float32")
 POSITION_DTYPES = ("int32", "int64")
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
+# int64 indices narrowed to int32 saturate into this range: a position or slot past it is
+# past every cos/sin table and cache, and stays out of range instead of wrapping into it.
+SATURATED_INDEX_RANGE = (-1, 2**31 - 1)
+
 # DLPack device types (dlpack.h): the framework-neutral way to name a device.
 _DLPACK_DEVICE_NAMES = {1: "cpu", 2: "cuda", 3: "cpu", 10: "rocm"}
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import ml_dtypes
 import numpy as np
 
@@ -21,12 +23,19 @@ def numpy_dtype(name: str) -> np.dtype:
     return _NUMPY_DTYPES[name]
 
 
+# torch tensors NumPy cannot take in directly: their bits go through an integer view.
+_BIT_VIEWS = {"bfloat16": "int16", "float8_e4m3fn": "uint8"}
+
+
 def as_numpy(array) -> np.ndarray:
     """A host NumPy array with the same values and dtype (a device array is copied to the host)."""
     if isinstance(array, np.ndarray):
         return array
     if type(array).__module__.startswith("torch"):
-        from interop.exchange import to_caller
-
-        return to_caller(array.detach().cpu(), "numpy")
+        tensor = array.detach().cpu()
+        name = str(tensor.dtype).removeprefix("torch.")
+        if name in _BIT_VIEWS:
+            torch = sys.modules["torch"]  # loaded, as a tensor exists: the core imports no framework
+            return tensor.view(getattr(torch, _BIT_VIEWS[name])).numpy().view(numpy_dtype(name))
+        return tensor.numpy()
     return np.asarray(array)
