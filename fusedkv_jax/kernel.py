@@ -78,8 +78,8 @@ from fusedkv_jax import mosaic_kernel
 # without spills: one token of all heads, the fastest tile of the draft shape.
 _TILE_ELEMENTS = 1024
 # Threads per program: each holds this many elements of the narrowest run of columns a
-# tile loads (a rotary half, or a whole row where loads_k_rows): fewer leave loads too
-# narrow, more leave too few programs in flight (looping programs: _LAYER_LOOP_WIDE_HALF).
+# tile loads (a rotary half, or a whole row where loads_k_rows): twice as many (draft,
+# hd256) or half (rotary64) run slower (BENCHMARKS.md; looping: _LAYER_LOOP_WIDE_HALF).
 _RUN_ELEMENTS_PER_THREAD = {"neox": 4, "gptj": 16}
 # Below this many programs per multiprocessor a short context leaves the GPU idle, so
 # smaller token blocks are taken instead.
@@ -89,11 +89,11 @@ _MIN_PROGRAMS_PER_MULTIPROCESSOR = 2
 # flight shorten.
 _ONE_WAVE_PROGRAMS_PER_MULTIPROCESSOR = 16
 # A program that takes every layer (loops_over_layers) holds about this many K elements a
-# layer: one token of all heads, so that the layers in flight fit in registers.
+# layer: one token of all heads, at least as fast as two in every shape measured.
 _LAYER_LOOP_TILE_ELEMENTS = 512
 # A program that takes every layer gives each thread twice the elements of a rotary half at
-# least this wide: such halves keep their loads wide on half the warps, narrower ones
-# (and whole rows) lose by it.
+# least this wide: such halves run faster on half the warps, narrower halves and whole
+# rows slower (BENCHMARKS.md).
 _LAYER_LOOP_WIDE_HALF = 128
 # Layers whose loads a looping program has issued before it stores one: more in flight
 # cost registers and lose.

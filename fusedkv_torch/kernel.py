@@ -275,11 +275,11 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *,
     """``(block_tokens, block_heads, num_warps)`` for a call of this size.
 
     Three regimes, each the fastest tile of its sizes under graph replay beside a copy
-    of the same bytes: short contexts
-    take many one-warp programs of one head and two tokens, whose loads all start at
-    once; otherwise, and for long contexts, tiles of about 8 head rows: one token of 8
-    heads, two of 4, and so on (16 elements of K and 16 of V per thread); around 256
-    tokens, four times the tokens of those tiles (four tokens of 8 heads, eight of 4).
+    of the same bytes: short contexts take many one-warp programs of one head and two
+    tokens, whose loads all start at once; otherwise, and for long contexts, tiles of
+    about 8 head rows: one token of 8 heads, two of 4, and so on (16 elements of K and 16
+    of V per thread); around 256 tokens, four times the tokens of those tiles (four
+    tokens of 8 heads, eight of 4).
 
     ``interpret`` (``TRITON_INTERPRET=1``): few, large programs instead, of as many
     tokens as fit ``_INTERPRETED_TILE_ELEMENTS``.
@@ -350,7 +350,7 @@ def supports_dependent_launch(device: torch.device) -> bool:
     With PDL the kernel may be launched while the kernel ahead of it in the stream is
     still running; it then waits for that kernel's completion before reading anything,
     so its results are as without PDL. What it saves is the launch latency between two
-    such kernels, most of a decode-size call's time.
+    such kernels, a large part of a call at decode sizes (BENCHMARKS.md).
     """
     return (device.type == "cuda" and not _launcher.interpreted
             and torch.cuda.get_device_capability(device)[0] >= 9)

@@ -151,8 +151,7 @@ def test_info_names_versions_devices_and_how_each_backend_runs(capsys):
         assert lines["jax"].startswith("jax: Pallas kernel (Triton lowering), interpret mode because jax has no GPU")
 
 
-
-def _info_with(monkeypatch, capsys, *, torch_gpu: bool, jax_backend: str, torch_cuda: str = "13.0") -> str:
+def _info_with(monkeypatch, capsys, *, torch_gpu: bool, jax_backend: str, torch_cuda) -> str:
     """``fusedkv info``'s output with the frameworks' device queries answered as given."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: torch_gpu)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: int(torch_gpu))
@@ -171,10 +170,13 @@ def test_info_says_when_jax_sees_no_gpu_while_torch_does(monkeypatch, capsys, to
                                     f"(pip install 'fusedkv[jax-{extra}]') for the compiled Pallas kernel")
 
 
-@pytest.mark.parametrize("torch_gpu, jax_backend", [(False, "cpu"), (True, "gpu"), (False, "gpu")])
-def test_info_says_nothing_of_jax_gpus_when_the_frameworks_agree_or_torch_has_none(monkeypatch, capsys,
-                                                                                   torch_gpu, jax_backend):
-    out = _info_with(monkeypatch, capsys, torch_gpu=torch_gpu, jax_backend=jax_backend)
+@pytest.mark.parametrize("torch_gpu, jax_backend, torch_cuda", [
+    (False, "cpu", None), (True, "gpu", "13.0"), (False, "gpu", None),
+    (True, "cpu", None),  # a ROCm torch: no jax CUDA build to name
+])
+def test_info_says_nothing_of_jax_gpus_when_the_frameworks_agree_or_torch_has_no_cuda(monkeypatch, capsys, torch_gpu,
+                                                                                      jax_backend, torch_cuda):
+    out = _info_with(monkeypatch, capsys, torch_gpu=torch_gpu, jax_backend=jax_backend, torch_cuda=torch_cuda)
     assert "jax sees no GPU" not in out
     assert out.splitlines()[-1].startswith("fusedkv check: inputs as ")
 

@@ -220,8 +220,8 @@ def _info() -> int:
         import jax
         import torch
 
-        if torch.cuda.is_available() and jax.default_backend() != "gpu":
-            cuda = "cuda12" if (torch.version.cuda or "").startswith("12") else "cuda13"
+        if torch.cuda.is_available() and torch.version.cuda and jax.default_backend() != "gpu":
+            cuda = "cuda12" if torch.version.cuda.startswith("12.") else "cuda13"
             lines.append(f"note: jax sees no GPU while torch does: install jax[{cuda}] "
                          f"(pip install 'fusedkv[jax-{cuda}]') for the compiled Pallas kernel")
     print("\n".join(lines))
