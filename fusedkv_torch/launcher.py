@@ -1,4 +1,7 @@
-"""Launching a compiled Triton kernel again without Triton's per-call Python.
+"""Launching a compiled Triton kernel again without Triton's per-call Python: the one module
+that reads Triton's private API (its binder, ``JITFunction.device_caches``, and
+``knobs.runtime``), each read with a fallback to ``kernel[grid]``;
+``tests/test_private_doors.py`` fails when a supported Triton moves them.
 
 ``kernel[grid](*args)`` binds and specializes every argument, builds a cache key from
 them, reads its settings and has the driver check every pointer, on every call: tens of

@@ -24,7 +24,7 @@ records an event per tensor; jax waits for each buffer's own ready event). A cal
 moves several arrays does better with :func:`cross`: torch tensors going to jax make
 jax's stream for external buffers wait once, for one event on torch's current stream,
 and are then exported without a handshake of their own (DLPack's ``stream=-1``) and
-imported by jaxlib's own DLPack import (``_import``); where they all go into one launch,
+imported by jaxlib's own DLPack import (:mod:`interop.jaxlib_dlpack`); where they all go into one launch,
 only the first on each device carries a ready event (:func:`cross`'s ``one_launch``).
 jax arrays going to torch are exported with torch's current stream looked up once (jax
 has no stream-wide event to wait for: each buffer carries its own, waited for on the
@@ -39,7 +39,8 @@ from typing import Sequence
 import numpy as np
 
 from interop.core.arrays import numpy_dtype
-from interop.core.spec import SATURATED_INDEX_RANGE, dtype_name, framework_of
+from interop.core.spec import DLPACK_DEVICE_NAMES, SATURATED_INDEX_RANGE, dtype_name, framework_of
+from interop.jaxlib_dlpack import import_buffer
 
 
 
@@ -171,7 +172,7 @@ def _cross_to_torch(arrays) -> list:
     return crossed
 
 
-_DLPACK_GPU_DEVICES = (2, 10)  # kDLCUDA, kDLROCM
+_DLPACK_GPU_DEVICES = tuple(code for code, name in DLPACK_DEVICE_NAMES.items() if name != "cpu")
 
 
 def _cross_to_jax(arrays, one_launch: bool) -> list:
@@ -191,7 +192,7 @@ def _cross_to_jax(arrays, one_launch: bool) -> list:
     carried = set()  # the devices whose ready event a tensor of this crossing carries
     for index, tensor, cuda_index in fresh:
         if cuda_index is None:
-            crossed[index] = _import(tensor, jax.devices("cpu")[0], None)
+            crossed[index] = import_buffer(tensor, jax.devices("cpu")[0], None)
             continue
         stream = ready_streams[cuda_index]
         if stream is None:
@@ -200,63 +201,8 @@ def _cross_to_jax(arrays, one_launch: bool) -> list:
         if one_launch and cuda_index in carried:
             stream = None
         carried.add(cuda_index)
-        crossed[index] = _import(tensor, _jax_device(cuda_index), stream)
+        crossed[index] = import_buffer(tensor, _jax_device(cuda_index), stream)
     return crossed
-
-
-def _import(tensor, device, ready_stream):
-    """``jax.dlpack.from_dlpack(tensor)`` for a tensor jax may read once ``ready_stream``
-    (None: at once) has run: exported without a handshake (DLPack's ``stream=-1``: the
-    crossing ordered it; the CPU has no streams) and imported by the jaxlib call that
-    ``from_dlpack`` makes, without ``from_dlpack``'s Python around it (checks a crossing
-    makes once, and an ``asarray`` that changes nothing for dtypes of 32 bits or fewer).
-    64-bit dtypes, which jax narrows with x64 off,
-    and a jaxlib whose call differs take ``from_dlpack`` (with DLPack's own handshake
-    where ``ready_stream`` is None: slower, never less ordered)."""
-    global _IMPORT_BUFFER
-    if _IMPORT_BUFFER is _UNRESOLVED:
-        _IMPORT_BUFFER = _jaxlib_import_buffer()
-    if _IMPORT_BUFFER is not None and tensor.element_size() <= 4:
-        try:
-            return _IMPORT_BUFFER(tensor.__dlpack__(stream=-1 if tensor.is_cuda else None), device,
-                                  ready_stream, None, _DLPACK_DEVICE_TYPES[device.platform])
-        except TypeError:  # another jaxlib's signature: from_dlpack from now on
-            _IMPORT_BUFFER = None
-    import jax
-
-    return jax.dlpack.from_dlpack(tensor if ready_stream is None else _HandshakeDone(tensor))
-
-
-def _jaxlib_import_buffer():
-    """jaxlib's DLPack import as ``jax.dlpack.from_dlpack`` calls it from jaxlib extension
-    467 on: ``(capsule, device, stream, copy, DLPack device type)``; None before."""
-    try:
-        from jax._src.lib import _jax, jaxlib_extension_version
-    except ImportError:
-        return None
-    return _jax.dlpack_managed_tensor_to_buffer if jaxlib_extension_version >= 467 else None
-
-
-_DLPACK_DEVICE_TYPES = {"cpu": 1, "gpu": 2, "cuda": 2, "rocm": 10}
-_UNRESOLVED = object()
-_IMPORT_BUFFER = _UNRESOLVED  # jaxlib's import, looked up at the first crossing to jax
-
-
-class _HandshakeDone:
-    """A torch tensor that jax imports without DLPack's per-tensor handshake: the
-    crossing already made jax's stream wait for torch's (:func:`_order_jax_after_torch`).
-    ``stream=-1`` is DLPack's "no synchronization"."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-    def __dlpack_device__(self):
-        return self.tensor.__dlpack_device__()
-
-    def __dlpack__(self, *, stream=None, **kwargs):
-        return self.tensor.__dlpack__(stream=-1, **kwargs)
 
 
 def _order_jax_after_torch(cuda_index: int):

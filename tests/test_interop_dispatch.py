@@ -125,7 +125,7 @@ def test_results_cross_back_without_a_copy():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "int32", "float8_e4m3fn", "float64", "int64"])
 def test_a_crossing_to_jax_gives_what_jax_dlpack_from_dlpack_gives(dtype):
-    from interop import exchange
+    from interop import exchange, jaxlib_dlpack
 
     tensor = (torch.arange(24, device=DEVICE) - 12).to(getattr(torch, dtype)).reshape(2, 12)
     (crossed,) = exchange.cross([tensor], "jax")
@@ -134,7 +134,7 @@ def test_a_crossing_to_jax_gives_what_jax_dlpack_from_dlpack_gives(dtype):
     assert (crossed.dtype, crossed.shape, crossed.devices()) == (expected.dtype, expected.shape, expected.devices())
     assert_bit_exact(crossed, as_numpy(expected))
     if tensor.element_size() <= 4:  # jaxlib's import, which every supported jax offers, served it
-        assert exchange._IMPORT_BUFFER is not None
+        assert jaxlib_dlpack._IMPORT_BUFFER is not None
         assert crossed.unsafe_buffer_pointer() == tensor.data_ptr()
 
 

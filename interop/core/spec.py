@@ -36,7 +36,7 @@ _FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 SATURATED_INDEX_RANGE = (-1, 2**31 - 1)
 
 # DLPack device types (dlpack.h): the framework-neutral way to name a device.
-_DLPACK_DEVICE_NAMES = {1: "cpu", 2: "cuda", 3: "cpu", 10: "rocm"}
+DLPACK_DEVICE_NAMES = {1: "cpu", 2: "cuda", 3: "cpu", 10: "rocm"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +91,7 @@ def device_name(array) -> str | None:
         device_type, device_id = dlpack_device()
     except Exception:  # a tracer or a deleted buffer has no device to report
         return None
-    kind = _DLPACK_DEVICE_NAMES.get(int(device_type), f"dlpack{int(device_type)}")
+    kind = DLPACK_DEVICE_NAMES.get(int(device_type), f"dlpack{int(device_type)}")
     return "cpu" if kind == "cpu" else f"{kind}:{int(device_id)}"
 
 
