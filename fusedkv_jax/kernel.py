@@ -71,6 +71,7 @@ from interop.core.spec import (
     check_positions_in_range,
     tile_argument,
 )
+from interop.core.tiles import interpreted_block_tokens
 
 from fusedkv_jax import mosaic_kernel
 
@@ -98,10 +99,6 @@ _LAYER_LOOP_WIDE_HALF = 128
 # Layers whose loads a looping program has issued before it stores one: more in flight
 # cost registers and lose.
 LAYERS_IN_FLIGHT = 2
-# Interpret mode runs the grid as a loop that pays per program in proportion to the
-# arrays' size: a CPU run proves logic, not tiles, so it takes tiles of up to this many
-# K elements (few programs, each over a large tile).
-_INTERPRETED_TILE_ELEMENTS = 1 << 20
 
 
 def _load(ref, *, mask, other, eviction_policy=None):
@@ -365,8 +362,7 @@ def default_tile(total_ctx: int, n_layers: int, num_kv_heads: int, head_dim: int
         return pl.cdiv(total_ctx, block_tokens) * layer_blocks * pl.cdiv(num_kv_heads, block_heads)
 
     if block_tokens is None and interpret:
-        fitting = max(1, _INTERPRETED_TILE_ELEMENTS // (block_heads * block_dim))
-        block_tokens = min(pl.next_power_of_2(max(1, total_ctx)), 1 << (fitting.bit_length() - 1))
+        block_tokens = interpreted_block_tokens(total_ctx, block_heads, head_dim)
     enough_programs = 1 if interpret else _MIN_PROGRAMS_PER_MULTIPROCESSOR * _multiprocessors()
     if block_tokens is None:
         tile_elements = _LAYER_LOOP_TILE_ELEMENTS if layer_loop else _TILE_ELEMENTS

@@ -38,6 +38,7 @@ import triton.language as tl
 from fusedkv_torch.launcher import DirectLauncher
 from interop.core.reference import FP8_E4M3_MAX, FP8_SCALE_MAX, FP8_SCALE_MIN, SMALLEST_NORMAL_FP32
 from interop.core.spec import FusedKVConfig, size_argument, tile_argument
+from interop.core.tiles import interpreted_block_tokens, next_power_of_2
 
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 _SMALLEST_NORMAL = tl.constexpr(SMALLEST_NORMAL_FP32)
@@ -260,14 +261,6 @@ def _fused_kv_norm_rope_kernel(
                      K_QUANTIZED)
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-# Interpreted, a program costs milliseconds of Python whatever its tile, while NumPy does a
-# tile's arithmetic in microseconds: a CPU run proves logic, not tiles, so it takes tiles of
-# up to this many K elements (few programs, each over a large tile).
-_INTERPRETED_TILE_ELEMENTS = 1 << 20
 
 
 def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *,
@@ -282,19 +275,17 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *,
     tokens of 8 heads, eight of 4).
 
     ``interpret`` (``TRITON_INTERPRET=1``): few, large programs instead, of as many
-    tokens as fit ``_INTERPRETED_TILE_ELEMENTS``.
+    tokens as fit ``interop.core.tiles.INTERPRETED_TILE_ELEMENTS``.
     """
     if interpret:
         block_heads = num_kv_heads & -num_kv_heads  # the largest power of two dividing the heads
-        fitting = max(1, _INTERPRETED_TILE_ELEMENTS // (block_heads * _next_power_of_2(head_dim)))
-        block_tokens = min(_next_power_of_2(max(1, total_ctx)), 1 << (fitting.bit_length() - 1))
-        return block_tokens, block_heads, 1
+        return interpreted_block_tokens(total_ctx, block_heads, head_dim), block_heads, 1
     if total_ctx < _SHORT_CONTEXT_END:
         return 2, 1, 1
     block_heads = min(8, num_kv_heads & -num_kv_heads)  # the largest power of two dividing the heads
     four_token_tiles = _FOUR_TOKEN_TILES[0] <= total_ctx < _FOUR_TOKEN_TILES[1]
     block_tokens = max(1, 8 // block_heads) * (4 if four_token_tiles else 1)
-    num_warps = max(1, min(8, block_tokens * block_heads * _next_power_of_2(head_dim) // 512))
+    num_warps = max(1, min(8, block_tokens * block_heads * next_power_of_2(head_dim) // 512))
     return block_tokens, block_heads, num_warps
 
 
@@ -319,8 +310,8 @@ def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, slotted: bool, k
     tail = config.head_dim - config.rotary_dim
     constexprs = (
         n_layers, config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style == "gptj",
-        slotted, k_quantized, v_quantized, block_tokens, block_heads, _next_power_of_2(config.rotary_dim // 2),
-        _next_power_of_2(tail) if tail else 0, _next_power_of_2(config.head_dim), dependent_launch,
+        slotted, k_quantized, v_quantized, block_tokens, block_heads, next_power_of_2(config.rotary_dim // 2),
+        next_power_of_2(tail) if tail else 0, next_power_of_2(config.head_dim), dependent_launch,
     )
     grid = -(-total_ctx // block_tokens) * n_layers * (config.num_kv_heads // block_heads)
     return grid, constexprs, num_warps or default_warps, dependent_launch
