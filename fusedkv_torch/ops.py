@@ -32,7 +32,8 @@ from interop.core.spec import (
 # every time.
 # Traced calls (torch.compile) validate every time and go through the registered op, so
 # the graph records the mutation, and the op checks the outputs' memory when it runs;
-# eager calls skip the op, whose dispatcher costs more host time than the launch.
+# eager calls skip the op, whose dispatcher costs more host time than the launch. A traced
+# call that validation refuses goes into the graph as a refusal (RefusedCall).
 
 
 _NO_TILE = (None, None, None)
@@ -109,6 +110,37 @@ class PreparedCall:
         return k_cache, v_cache
 
 
+class RefusedCall:
+    """A call validation refused while torch.compile traced it, launched as a
+    :class:`PreparedCall` is.
+
+    An exception raised while dynamo traces reaches the caller as dynamo's own error
+    (``Unsupported`` under ``fullgraph=True``), the contract's only as its cause. So the
+    graph records the refusal instead: ``fusedkv::refuse`` raises the contract's
+    ``ValueError`` or ``TypeError``, message and all, when the compiled code runs,
+    before anything is written.
+    """
+
+    __slots__ = ("error", "message")
+
+    def __init__(self, error: Exception):
+        self.error = "TypeError" if isinstance(error, TypeError) else "ValueError"
+        self.message = str(error)
+
+    def launch(self, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
+               check_positions: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._refuse(k_out, v_out)
+
+    def launch_into_cache(self, kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+                          k_scale, v_scale) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._refuse(k_cache, v_cache)
+
+    def _refuse(self, *buffers) -> tuple[torch.Tensor, torch.Tensor]:
+        # Declared as writing the call's buffers, the refusal stays in the graph wherever the call would.
+        written = [buffer for buffer in buffers if isinstance(buffer, torch.Tensor)]
+        return torch.ops.fusedkv.refuse(written, self.error, self.message)
+
+
 def _tile(block_tokens, block_heads, num_warps) -> tuple:
     if block_tokens is None and block_heads is None and num_warps is None:
         return _NO_TILE
@@ -128,12 +160,9 @@ def _check_runnable(device: torch.device) -> None:
 
 
 def _prepared(accepted: AcceptedCall, device: torch.device, slotted: bool, k_quantized: bool,
-              v_quantized: bool, tracing: bool, tile: tuple = _NO_TILE) -> PreparedCall:
+              v_quantized: bool, tile: tuple = _NO_TILE) -> PreparedCall:
     """The launch plan of an accepted call, made once per call signature; with a tile
     override (checked here, before anything is written), made for the call alone."""
-    if tracing:  # the registered op plans (and checks the tile) when it runs
-        _check_runnable(device)
-        return PreparedCall(accepted.shape, None, None, tile)
     prepared = None if tile is not _NO_TILE else accepted.prepared.get("torch")
     if prepared is None:
         _check_runnable(device)
@@ -146,33 +175,49 @@ def _prepared(accepted: AcceptedCall, device: torch.device, slotted: bool, k_qua
     return prepared
 
 
+def _traced(accept, arrays: tuple, static: dict, tile: tuple) -> PreparedCall | RefusedCall:
+    """A call as torch.compile traces it, validated by ``accept`` (``accept_call`` or
+    ``accept_cache_call``) without the array kinds (dynamo traces tensors) and addresses
+    (none yet); the registered op plans it (and checks the tile) when it runs."""
+    try:
+        accepted = accept(*arrays, **static, remember=False)
+        _check_runnable(arrays[0].device)
+    except (TypeError, ValueError) as error:
+        return RefusedCall(error)
+    return PreparedCall(accepted.shape, None, None, tile)
+
+
 def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
-                 rope_style, k_out, v_out, tile: tuple = _NO_TILE) -> PreparedCall:
+                 rope_style, k_out, v_out, tile: tuple = _NO_TILE) -> PreparedCall | RefusedCall:
     """A :func:`fused_kv_norm_rope` call validated, ready for :meth:`PreparedCall.launch`."""
-    # Traced calls skip the array kinds (dynamo traces tensors) and addresses (none yet).
-    tracing = torch.compiler.is_compiling()
+    if torch.compiler.is_compiling():
+        return _traced(accept_call, (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out),
+                       dict(num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
+                            rope_style=rope_style), tile)
     accepted = accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
                            num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-                           rope_style=rope_style, takes=None if tracing else "torch", remember=not tracing)
-    prepared = _prepared(accepted, kv.device, False, False, False, tracing, tile)
-    if not tracing:
-        check_output_buffers(kv, (("k_out", k_out), ("v_out", v_out)))
+                           rope_style=rope_style, takes="torch")
+    prepared = _prepared(accepted, kv.device, False, False, False, tile)
+    check_output_buffers(kv, (("k_out", k_out), ("v_out", v_out)))
     return prepared
 
 
 def prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
                        num_kv_heads, head_dim, rotary_dim, rope_style, k_scale,
-                       v_scale, tile: tuple = _NO_TILE) -> PreparedCall:
+                       v_scale, tile: tuple = _NO_TILE) -> PreparedCall | RefusedCall:
     """A :func:`fused_kv_norm_rope_into_cache` call validated, ready for
     :meth:`PreparedCall.launch_into_cache`."""
-    tracing = torch.compiler.is_compiling()
+    if torch.compiler.is_compiling():
+        return _traced(accept_cache_call,
+                       (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale,
+                        v_scale),
+                       dict(num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
+                            rope_style=rope_style), tile)
     accepted = accept_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
                                  k_scale, v_scale, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                 rotary_dim=rotary_dim, rope_style=rope_style, takes=None if tracing else "torch",
-                                 remember=not tracing)
-    prepared = _prepared(accepted, kv.device, True, k_scale is not None, v_scale is not None, tracing, tile)
-    if not tracing:
-        check_output_buffers(kv, (("k_cache", k_cache), ("v_cache", v_cache)))
+                                 rotary_dim=rotary_dim, rope_style=rope_style, takes="torch")
+    prepared = _prepared(accepted, kv.device, True, k_scale is not None, v_scale is not None, tile)
+    check_output_buffers(kv, (("k_cache", k_cache), ("v_cache", v_cache)))
     return prepared
 
 
@@ -202,6 +247,23 @@ def _write_fused_kv_norm_rope_fake(kv, k_norm_weight, eps, cos_sin_cache, positi
                                    num_kv_heads, head_dim, rotary_dim, rope_style, block_tokens=None,
                                    block_heads=None, num_warps=None):
     return None
+
+
+_CONTRACT_ERRORS = {"TypeError": TypeError, "ValueError": ValueError}
+
+
+@torch.library.custom_op("fusedkv::refuse", mutates_args=("written",))
+def _refuse(written: list[torch.Tensor], error: str, message: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A call validation refused while torch.compile traced it (:class:`RefusedCall`):
+    raises ``error`` (``'TypeError'`` or ``'ValueError'``) with ``message`` when it runs.
+    ``written``: the buffers the refused call would write, declared so that the graph
+    keeps the refusal wherever it would keep the call."""
+    raise _CONTRACT_ERRORS[error](message)
+
+
+@_refuse.register_fake
+def _refuse_fake(written, error, message):
+    return torch.empty(0), torch.empty(0)
 
 
 def fused_kv_norm_rope(
@@ -259,7 +321,7 @@ def fused_kv_norm_rope_accepted(accepted: AcceptedCall, kv, k_norm_weight, eps, 
     """:func:`fused_kv_norm_rope` on torch tensors made from arrays that ``interop`` validated
     as ``accepted`` (``interop.core.spec.accept_call``, then ``check_output_buffers``): those
     checks are not run again. Not for other callers: the public function checks everything."""
-    return _prepared(accepted, kv.device, False, False, False, False).launch(
+    return _prepared(accepted, kv.device, False, False, False).launch(
         kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, False)
 
 

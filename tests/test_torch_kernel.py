@@ -8,6 +8,7 @@ under interop's tolerance table, V bit for bit, rejected calls write nothing.
 """
 
 import dataclasses
+import functools
 import os
 import pathlib
 import re
@@ -386,6 +387,63 @@ def test_a_cache_over_kv_is_refused_on_every_call_and_nothing_is_written():
         with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
             fused_kv_norm_rope_into_cache(kv, *rest, cache_loc, k_cache, v_cache, **static(CONFIG))
     assert [bits(buffer) for buffer in (kv, k_cache, v_cache)] == before
+
+
+# Under torch's transforms.
+
+def transformed_call(entry_point, kv, weight, eps, cos_sin, positions, buffers, sizes):
+    """One entry point as a function to transform: ``'allocated'`` outputs, ``'into
+    given outputs'`` or ``'into a cache'`` (``buffers``: the given outputs or caches)."""
+    if entry_point == "into a cache":
+        return fused_kv_norm_rope_into_cache(kv, weight, eps, cos_sin, positions,
+                                             torch.tensor([4, -1, 0], device=kv.device), *buffers, **sizes)
+    outputs = dict(k_out=buffers[0], v_out=buffers[1]) if entry_point == "into given outputs" else {}
+    return fused_kv_norm_rope(kv, weight, eps, cos_sin, positions, **sizes, **outputs)
+
+
+ENTRY_POINTS = ["allocated", "into given outputs", "into a cache"]
+CACHE_SHAPE = (2, 5, CONFIG.num_kv_heads, CONFIG.head_dim)
+
+
+def buffers_for(entry_point, dtype, device=DEVICE):
+    shape = CACHE_SHAPE if entry_point == "into a cache" else SHAPE
+    return [poisoned(shape, dtype, device) for _ in range(2)]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("entry_point", ENTRY_POINTS)
+def test_a_refused_call_under_fullgraph_compile_raises_the_contracts_error(backend, entry_point):
+    inputs = random_inputs(CONFIG, n_layers=2, total_ctx=3, max_position=16, seed=40)
+    kv, weight, eps, cos_sin, positions = on_device(inputs)
+    buffers = buffers_for(entry_point, kv.dtype)
+    torch._dynamo.reset()
+    step = torch.compile(functools.partial(transformed_call, entry_point, sizes=static(CONFIG)), fullgraph=True,
+                         backend=backend)
+    message = "Invalid stacked eps shape for fused KV materialization: got (3,), expected (2,)."
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        step(kv, weight, torch.ones(3), cos_sin, positions, buffers)
+    assert all(torch.isnan(buffer).all() for buffer in buffers)
+    # The good call after it compiles, again without a graph break.
+    result = step(kv, weight, eps, cos_sin, positions, buffers)
+    if entry_point == "into a cache":
+        slots = np.array([4, -1, 0])
+        poison = as_numpy(poisoned(CACHE_SHAPE, kv.dtype, "cpu"))
+        expected_k, expected_v = fused_kv_norm_rope_into_cache_reference(
+            *inputs.arrays(), slots, poison, poison, **static(CONFIG))
+        assert_close(buffers[0], expected_k)
+        assert_bit_exact(buffers[1], expected_v)
+    else:
+        assert_matches_reference(inputs, CONFIG, *result)
+
+
+def test_a_size_refused_under_fullgraph_compile_raises_the_contracts_type_error():
+    inputs = random_inputs(CONFIG, n_layers=2, total_ctx=3, max_position=16, seed=41)
+    torch._dynamo.reset()
+    step = torch.compile(functools.partial(transformed_call, "allocated", buffers=None,
+                                           sizes={**static(CONFIG), "num_kv_heads": 2.0}), fullgraph=True)
+    with pytest.raises(TypeError, match="^" + re.escape(
+            "Invalid num_kv_heads for fused KV materialization: got 2.0 (float), expected a positive int.") + "$"):
+        step(*on_device(inputs))
 
 
 # GPU only: real sizes, compilation, CUDA graphs, 64-bit offsets.
