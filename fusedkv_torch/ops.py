@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from fusedkv_torch.kernel import _launch, _launcher, launch, supports_dependent_launch, tuned_plan
 from interop.core.spec import (
@@ -33,7 +34,9 @@ from interop.core.spec import (
 # Traced calls (torch.compile) validate every time and go through the registered op, so
 # the graph records the mutation, and the op checks the outputs' memory when it runs;
 # eager calls skip the op, whose dispatcher costs more host time than the launch. A traced
-# call that validation refuses goes into the graph as a refusal (RefusedCall).
+# call that validation refuses goes into the graph as a refusal (RefusedCall). Calls on
+# meta tensors or FakeTensorMode's fakes, which have no memory, go through the registered
+# op too, whose fake gives the outputs' shapes.
 
 
 _NO_TILE = (None, None, None)
@@ -43,9 +46,10 @@ class PreparedCall:
     """A call that validation accepted, with what launching it needs.
 
     ``call``: the validated sizes; ``plan``: the kernel's launch plan, None for a traced
-    call (which goes through the registered op); ``compiled``: the compiled kernels of
-    this call's metadata (``DirectLauncher``'s ``compiled``; None for a tile override,
-    whose kernels the launcher keeps by their constexprs); ``tile``: the override
+    call or one on tensors without memory (which go through the registered op);
+    ``compiled``: the compiled kernels of this call's metadata (``DirectLauncher``'s
+    ``compiled``; None for a tile override, whose kernels the launcher keeps by their
+    constexprs); ``tile``: the override
     ``(block_tokens, block_heads, num_warps)``, Nones where not given. The materializer
     prepares a call before its GEMM and launches it after.
     """
@@ -159,16 +163,27 @@ def _check_runnable(device: torch.device) -> None:
         )
 
 
-def _prepared(accepted: AcceptedCall, device: torch.device, slotted: bool, k_quantized: bool,
-              v_quantized: bool, tile: tuple = _NO_TILE) -> PreparedCall:
+def _has_no_memory(tensor: torch.Tensor) -> bool:
+    """Meta tensors and FakeTensorMode's fakes: shapes, dtypes and devices, no data."""
+    return tensor.is_meta or isinstance(tensor, FakeTensor)
+
+
+def _prepared(accepted: AcceptedCall, kv: torch.Tensor, slotted: bool, k_quantized: bool, v_quantized: bool,
+              tile: tuple = _NO_TILE) -> PreparedCall:
     """The launch plan of an accepted call, made once per call signature; with a tile
-    override (checked here, before anything is written), made for the call alone."""
+    override (checked here, before anything is written), made for the call alone. A kv
+    without memory (its own signatures: they name kv's type and device) gets no plan, so
+    the call goes through the registered op, whose fake runs."""
     prepared = None if tile is not _NO_TILE else accepted.prepared.get("torch")
     if prepared is None:
-        _check_runnable(device)
+        device = kv.device
+        if device.type != "meta":  # a call on meta tensors runs nowhere
+            _check_runnable(device)
         call = accepted.shape
         plan = tuned_plan(call.config, call.total_ctx, call.n_layers, slotted, k_quantized, v_quantized, tile,
                           supports_dependent_launch(device))
+        if _has_no_memory(kv):  # planned all the same: planning checks the tile override
+            plan = None
         if tile is not _NO_TILE:
             return PreparedCall(call, plan, None, tile)
         prepared = accepted.prepared["torch"] = PreparedCall(call, plan, {})
@@ -197,8 +212,9 @@ def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads,
     accepted = accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
                            num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
                            rope_style=rope_style, takes="torch")
-    prepared = _prepared(accepted, kv.device, False, False, False, tile)
-    check_output_buffers(kv, (("k_out", k_out), ("v_out", v_out)))
+    prepared = _prepared(accepted, kv, False, False, False, tile)
+    if prepared.plan is not None:  # a kv without memory has no addresses to check
+        check_output_buffers(kv, (("k_out", k_out), ("v_out", v_out)))
     return prepared
 
 
@@ -216,12 +232,18 @@ def prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_l
     accepted = accept_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
                                  k_scale, v_scale, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                  rotary_dim=rotary_dim, rope_style=rope_style, takes="torch")
-    prepared = _prepared(accepted, kv.device, True, k_scale is not None, v_scale is not None, tile)
-    check_output_buffers(kv, (("k_cache", k_cache), ("v_cache", v_cache)))
+    prepared = _prepared(accepted, kv, True, k_scale is not None, v_scale is not None, tile)
+    if prepared.plan is not None:
+        check_output_buffers(kv, (("k_cache", k_cache), ("v_cache", v_cache)))
     return prepared
 
 
 def _check_positions_in_range(positions: torch.Tensor, max_position: int) -> None:
+    if _has_no_memory(positions):
+        raise ValueError(
+            "Invalid check_positions for fused KV materialization: got True on positions without values "
+            "(meta or fake tensors), expected False there (out-of-range positions give all-NaN K rows)."
+        )
     low, high = (int(value) for value in torch.aminmax(positions))  # the one host sync
     check_positions_in_range(low, high, max_position)
 
@@ -321,7 +343,7 @@ def fused_kv_norm_rope_accepted(accepted: AcceptedCall, kv, k_norm_weight, eps, 
     """:func:`fused_kv_norm_rope` on torch tensors made from arrays that ``interop`` validated
     as ``accepted`` (``interop.core.spec.accept_call``, then ``check_output_buffers``): those
     checks are not run again. Not for other callers: the public function checks everything."""
-    return _prepared(accepted, kv.device, False, False, False).launch(
+    return _prepared(accepted, kv, False, False, False).launch(
         kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, False)
 
 

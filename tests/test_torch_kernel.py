@@ -7,6 +7,7 @@ What both backends must do alike (the reference, edge values, the cache, refusal
 under interop's tolerance table, V bit for bit, rejected calls write nothing.
 """
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -19,6 +20,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from interop.core.arrays import as_numpy, numpy_dtype
 from interop.exchange import to_torch
@@ -28,6 +30,7 @@ from interop.core.spec import FusedKVConfig
 from interop.testing import assert_bit_exact, assert_close, random_inputs
 from fusedkv_torch import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_torch import kernel as kernel_module
+from fusedkv_torch import ops as ops_module
 from fusedkv_torch.kernel import launch
 from fusedkv_torch.launcher import expected_attributes, specialization_key
 
@@ -389,7 +392,7 @@ def test_a_cache_over_kv_is_refused_on_every_call_and_nothing_is_written():
     assert [bits(buffer) for buffer in (kv, k_cache, v_cache)] == before
 
 
-# Under torch's transforms.
+# Under torch's transforms: torch.compile, meta and fake tensors.
 
 def transformed_call(entry_point, kv, weight, eps, cos_sin, positions, buffers, sizes):
     """One entry point as a function to transform: ``'allocated'`` outputs, ``'into
@@ -444,6 +447,46 @@ def test_a_size_refused_under_fullgraph_compile_raises_the_contracts_type_error(
     with pytest.raises(TypeError, match="^" + re.escape(
             "Invalid num_kv_heads for fused KV materialization: got 2.0 (float), expected a positive int.") + "$"):
         step(*on_device(inputs))
+
+
+@pytest.mark.parametrize("no_memory", ["meta", "fake"])
+@pytest.mark.parametrize("entry_point", ENTRY_POINTS)
+def test_meta_and_fake_tensors_give_the_results_shapes_without_a_launch(monkeypatch, no_memory, entry_point):
+    inputs = random_inputs(CONFIG, n_layers=2, total_ctx=3, max_position=16, seed=42)
+    real = on_device(inputs)
+    transformed_call(entry_point, *real, buffers_for(entry_point, real[0].dtype), static(CONFIG))
+    launches = []  # after a real call of the same shapes, remembered
+    monkeypatch.setattr(ops_module, "_launch", lambda *args: launches.append("direct"))
+    monkeypatch.setattr(ops_module, "launch", lambda *args, **kwargs: launches.append("registered op"))
+    mode = FakeTensorMode() if no_memory == "fake" else contextlib.nullcontext()
+    with mode:
+        kv, weight, eps, cos_sin, positions = (
+            mode.from_tensor(tensor) if no_memory == "fake" else tensor.to("meta") for tensor in real)
+        buffers = buffers_for(entry_point, kv.dtype, kv.device)
+        k, v = transformed_call(entry_point, kv, weight, eps, cos_sin, positions, buffers, static(CONFIG))
+        with pytest.raises(ValueError, match="^" + re.escape(
+                "Invalid stacked eps shape for fused KV materialization: got (3,), expected (2,).") + "$"):
+            transformed_call(entry_point, kv, weight, eps[:1].expand(3), cos_sin, positions, buffers,
+                             static(CONFIG))
+    assert launches == []
+    if entry_point == "allocated":
+        assert k.shape == v.shape == SHAPE
+    else:
+        assert k is buffers[0] and v is buffers[1]
+    assert k.dtype == v.dtype == real[0].dtype and k.device == v.device == kv.device
+    assert type(k) is type(kv)
+
+
+@pytest.mark.parametrize("no_memory", ["meta", "fake"])
+def test_check_positions_on_positions_without_values_is_refused(no_memory):
+    inputs = random_inputs(CONFIG, n_layers=2, total_ctx=3, max_position=16, seed=43)
+    real = on_device(inputs)
+    mode = FakeTensorMode() if no_memory == "fake" else contextlib.nullcontext()
+    with mode, pytest.raises(ValueError, match="^" + re.escape(
+            "Invalid check_positions for fused KV materialization: got True on positions without values (meta "
+            "or fake tensors), expected False there (out-of-range positions give all-NaN K rows).") + "$"):
+        fused_kv_norm_rope(*(mode.from_tensor(t) if no_memory == "fake" else t.to("meta") for t in real),
+                           **static(CONFIG), check_positions=True)
 
 
 # GPU only: real sizes, compilation, CUDA graphs, 64-bit offsets.
