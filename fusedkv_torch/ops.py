@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch._C import _functorch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from fusedkv_torch.kernel import _launch, _launcher, launch, supports_dependent_launch, tuned_plan
@@ -202,6 +203,23 @@ def _traced(accept, arrays: tuple, static: dict, tile: tuple) -> PreparedCall | 
     return PreparedCall(accepted.shape, None, None, tile)
 
 
+def _check_untransformed(function: str, names: tuple, arrays: tuple) -> None:
+    """Inside a torch.func transform: refuse its tensors (vmap's batched ones, grad's
+    wrappers), which hold no memory the kernel could read; a call signature cannot tell
+    them from plain tensors."""
+    for name, array in zip(names, arrays):
+        if isinstance(array, torch.Tensor) and _functorch.is_functorch_wrapped_tensor(array):
+            what = "batched by torch.func.vmap" if _functorch.is_batchedtensor(array) else "of a torch.func transform"
+            raise TypeError(
+                f"Invalid {name} for fused KV materialization: got a tensor {what}, expected a plain tensor "
+                f"(fusedkv_torch.{function} has no rule for torch.func transforms: call it once per batch "
+                "member, or fold the batch into total_ctx)."
+            )
+
+
+_ARRAY_NAMES = ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions")
+
+
 def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
                  rope_style, k_out, v_out, tile: tuple = _NO_TILE) -> PreparedCall | RefusedCall:
     """A :func:`fused_kv_norm_rope` call validated, ready for :meth:`PreparedCall.launch`."""
@@ -209,6 +227,9 @@ def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads,
         return _traced(accept_call, (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out),
                        dict(num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
                             rope_style=rope_style), tile)
+    if _functorch.maybe_current_level() is not None:  # inside vmap, grad...
+        _check_untransformed("fused_kv_norm_rope", _ARRAY_NAMES + ("k_out", "v_out"),
+                             (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out))
     accepted = accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
                            num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
                            rope_style=rope_style, takes="torch")
@@ -229,6 +250,11 @@ def prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_l
                         v_scale),
                        dict(num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
                             rope_style=rope_style), tile)
+    if _functorch.maybe_current_level() is not None:
+        _check_untransformed("fused_kv_norm_rope_into_cache",
+                             _ARRAY_NAMES + ("cache_loc", "k_cache", "v_cache", "k_scale", "v_scale"),
+                             (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+                              k_scale, v_scale))
     accepted = accept_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
                                  k_scale, v_scale, num_kv_heads=num_kv_heads, head_dim=head_dim,
                                  rotary_dim=rotary_dim, rope_style=rope_style, takes="torch")

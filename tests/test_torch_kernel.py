@@ -392,7 +392,7 @@ def test_a_cache_over_kv_is_refused_on_every_call_and_nothing_is_written():
     assert [bits(buffer) for buffer in (kv, k_cache, v_cache)] == before
 
 
-# Under torch's transforms: torch.compile, meta and fake tensors.
+# Under torch's transforms: torch.compile, meta and fake tensors, torch.func.
 
 def transformed_call(entry_point, kv, weight, eps, cos_sin, positions, buffers, sizes):
     """One entry point as a function to transform: ``'allocated'`` outputs, ``'into
@@ -487,6 +487,35 @@ def test_check_positions_on_positions_without_values_is_refused(no_memory):
             "or fake tensors), expected False there (out-of-range positions give all-NaN K rows).") + "$"):
         fused_kv_norm_rope(*(mode.from_tensor(t) if no_memory == "fake" else t.to("meta") for t in real),
                            **static(CONFIG), check_positions=True)
+
+
+@pytest.mark.parametrize("entry_point, name", [("fused_kv_norm_rope", "kv"), ("fused_kv_norm_rope", "positions"),
+                                               ("fused_kv_norm_rope_into_cache", "cache_loc")])
+def test_vmap_is_refused_naming_the_argument_and_the_function(entry_point, name):
+    inputs = random_inputs(CONFIG, n_layers=2, total_ctx=3, max_position=16, seed=44)
+    args = dict(zip(("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions"), on_device(inputs)))
+    if entry_point == "fused_kv_norm_rope_into_cache":
+        args.update(zip(("k_cache", "v_cache"), buffers_for("into a cache", args["kv"].dtype)),
+                    cache_loc=torch.tensor([4, -1, 0], device=DEVICE))
+    function = getattr(ops_module, entry_point)
+    member = functools.partial(lambda batched, **rest: function(**{name: batched}, **rest, **static(CONFIG)),
+                               **{key: value for key, value in args.items() if key != name})
+    with pytest.raises(TypeError, match="^" + re.escape(
+            f"Invalid {name} for fused KV materialization: got a tensor batched by torch.func.vmap, expected a "
+            f"plain tensor (fusedkv_torch.{entry_point} has no rule for torch.func transforms: call it once per "
+            "batch member, or fold the batch into total_ctx).") + "$"):
+        torch.func.vmap(member)(torch.stack([args[name]] * 2))
+    for buffer in (args.get("k_cache"), args.get("v_cache")):
+        assert buffer is None or torch.isnan(buffer).all()
+
+
+def test_a_call_on_plain_tensors_inside_vmap_runs():
+    inputs = random_inputs(CONFIG, n_layers=2, total_ctx=3, max_position=16, seed=45)
+    args = on_device(inputs)
+    ones = torch.ones(2, dtype=args[0].dtype, device=DEVICE)
+    k = torch.func.vmap(lambda one: fused_kv_norm_rope(*args, **static(CONFIG))[0] * one)(ones)
+    expected_k, _ = fused_kv_norm_rope_reference(*inputs.arrays(), **static(CONFIG))
+    assert_close(k[1], expected_k)
 
 
 # GPU only: real sizes, compilation, CUDA graphs, 64-bit offsets.
