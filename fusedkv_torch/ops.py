@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch._C import _functorch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from fusedkv_torch.kernel import _launch, _launcher, launch, supports_dependent_launch, tuned_plan
 from interop.core.spec import (
@@ -32,7 +34,10 @@ from interop.core.spec import (
 # every time.
 # Traced calls (torch.compile) validate every time and go through the registered op, so
 # the graph records the mutation, and the op checks the outputs' memory when it runs;
-# eager calls skip the op, whose dispatcher costs more host time than the launch.
+# eager calls skip the op, whose dispatcher costs more host time than the launch. A traced
+# call that validation refuses goes into the graph as a refusal (RefusedCall). Calls on
+# meta tensors or FakeTensorMode's fakes, which have no memory, go through the registered
+# op too, whose fake gives the outputs' shapes.
 
 
 _NO_TILE = (None, None, None)
@@ -42,9 +47,10 @@ class PreparedCall:
     """A call that validation accepted, with what launching it needs.
 
     ``call``: the validated sizes; ``plan``: the kernel's launch plan, None for a traced
-    call (which goes through the registered op); ``compiled``: the compiled kernels of
-    this call's metadata (``DirectLauncher``'s ``compiled``; None for a tile override,
-    whose kernels the launcher keeps by their constexprs); ``tile``: the override
+    call or one on tensors without memory (which go through the registered op);
+    ``compiled``: the compiled kernels of this call's metadata (``DirectLauncher``'s
+    ``compiled``; None for a tile override, whose kernels the launcher keeps by their
+    constexprs); ``tile``: the override
     ``(block_tokens, block_heads, num_warps)``, Nones where not given. The materializer
     prepares a call before its GEMM and launches it after.
     """
@@ -109,6 +115,37 @@ class PreparedCall:
         return k_cache, v_cache
 
 
+class RefusedCall:
+    """A call validation refused while torch.compile traced it, launched as a
+    :class:`PreparedCall` is.
+
+    An exception raised while dynamo traces reaches the caller as dynamo's own error
+    (``Unsupported`` under ``fullgraph=True``), the contract's only as its cause. So the
+    graph records the refusal instead: ``fusedkv::refuse`` raises the contract's
+    ``ValueError`` or ``TypeError``, message and all, when the compiled code runs,
+    before anything is written.
+    """
+
+    __slots__ = ("error", "message")
+
+    def __init__(self, error: Exception):
+        self.error = "TypeError" if isinstance(error, TypeError) else "ValueError"
+        self.message = str(error)
+
+    def launch(self, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
+               check_positions: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._refuse(k_out, v_out)
+
+    def launch_into_cache(self, kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+                          k_scale, v_scale) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._refuse(k_cache, v_cache)
+
+    def _refuse(self, *buffers) -> tuple[torch.Tensor, torch.Tensor]:
+        # Declared as writing the call's buffers, the refusal stays in the graph wherever the call would.
+        written = [buffer for buffer in buffers if isinstance(buffer, torch.Tensor)]
+        return torch.ops.fusedkv.refuse(written, self.error, self.message)
+
+
 def _tile(block_tokens, block_heads, num_warps) -> tuple:
     if block_tokens is None and block_heads is None and num_warps is None:
         return _NO_TILE
@@ -127,56 +164,112 @@ def _check_runnable(device: torch.device) -> None:
         )
 
 
-def _prepared(accepted: AcceptedCall, device: torch.device, slotted: bool, k_quantized: bool,
-              v_quantized: bool, tracing: bool, tile: tuple = _NO_TILE) -> PreparedCall:
+def _has_no_memory(tensor: torch.Tensor) -> bool:
+    """Meta tensors and FakeTensorMode's fakes: shapes, dtypes and devices, no data."""
+    return tensor.is_meta or isinstance(tensor, FakeTensor)
+
+
+def _prepared(accepted: AcceptedCall, kv: torch.Tensor, slotted: bool, k_quantized: bool, v_quantized: bool,
+              tile: tuple = _NO_TILE) -> PreparedCall:
     """The launch plan of an accepted call, made once per call signature; with a tile
-    override (checked here, before anything is written), made for the call alone."""
-    if tracing:  # the registered op plans (and checks the tile) when it runs
-        _check_runnable(device)
-        return PreparedCall(accepted.shape, None, None, tile)
+    override (checked here, before anything is written), made for the call alone. A kv
+    without memory (its own signatures: they name kv's type and device) gets no plan, so
+    the call goes through the registered op, whose fake runs."""
     prepared = None if tile is not _NO_TILE else accepted.prepared.get("torch")
     if prepared is None:
-        _check_runnable(device)
+        device = kv.device
+        if device.type != "meta":  # a call on meta tensors runs nowhere
+            _check_runnable(device)
         call = accepted.shape
         plan = tuned_plan(call.config, call.total_ctx, call.n_layers, slotted, k_quantized, v_quantized, tile,
                           supports_dependent_launch(device))
+        if _has_no_memory(kv):  # planned all the same: planning checks the tile override
+            plan = None
         if tile is not _NO_TILE:
             return PreparedCall(call, plan, None, tile)
         prepared = accepted.prepared["torch"] = PreparedCall(call, plan, {})
     return prepared
 
 
+def _traced(accept, arrays: tuple, static: dict, tile: tuple) -> PreparedCall | RefusedCall:
+    """A call as torch.compile traces it, validated by ``accept`` (``accept_call`` or
+    ``accept_cache_call``) without the array kinds (dynamo traces tensors) and addresses
+    (none yet); the registered op plans it (and checks the tile) when it runs."""
+    try:
+        accepted = accept(*arrays, **static, remember=False)
+        _check_runnable(arrays[0].device)
+    except (TypeError, ValueError) as error:
+        return RefusedCall(error)
+    return PreparedCall(accepted.shape, None, None, tile)
+
+
+def _check_untransformed(function: str, names: tuple, arrays: tuple) -> None:
+    """Inside a torch.func transform: refuse its tensors (vmap's batched ones, grad's
+    wrappers), which hold no memory the kernel could read; a call signature cannot tell
+    them from plain tensors."""
+    for name, array in zip(names, arrays):
+        if isinstance(array, torch.Tensor) and _functorch.is_functorch_wrapped_tensor(array):
+            what = "batched by torch.func.vmap" if _functorch.is_batchedtensor(array) else "of a torch.func transform"
+            raise TypeError(
+                f"Invalid {name} for fused KV materialization: got a tensor {what}, expected a plain tensor "
+                f"(fusedkv_torch.{function} has no rule for torch.func transforms: call it once per batch "
+                "member, or fold the batch into total_ctx)."
+            )
+
+
+_ARRAY_NAMES = ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions")
+
+
 def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
-                 rope_style, k_out, v_out, tile: tuple = _NO_TILE) -> PreparedCall:
+                 rope_style, k_out, v_out, tile: tuple = _NO_TILE) -> PreparedCall | RefusedCall:
     """A :func:`fused_kv_norm_rope` call validated, ready for :meth:`PreparedCall.launch`."""
-    # Traced calls skip the array kinds (dynamo traces tensors) and addresses (none yet).
-    tracing = torch.compiler.is_compiling()
+    if torch.compiler.is_compiling():
+        return _traced(accept_call, (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out),
+                       dict(num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
+                            rope_style=rope_style), tile)
+    if _functorch.maybe_current_level() is not None:  # inside vmap, grad...
+        _check_untransformed("fused_kv_norm_rope", _ARRAY_NAMES + ("k_out", "v_out"),
+                             (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out))
     accepted = accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
                            num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-                           rope_style=rope_style, takes=None if tracing else "torch", remember=not tracing)
-    prepared = _prepared(accepted, kv.device, False, False, False, tracing, tile)
-    if not tracing:
+                           rope_style=rope_style, takes="torch")
+    prepared = _prepared(accepted, kv, False, False, False, tile)
+    if prepared.plan is not None:  # a kv without memory has no addresses to check
         check_output_buffers(kv, (("k_out", k_out), ("v_out", v_out)))
     return prepared
 
 
 def prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
                        num_kv_heads, head_dim, rotary_dim, rope_style, k_scale,
-                       v_scale, tile: tuple = _NO_TILE) -> PreparedCall:
+                       v_scale, tile: tuple = _NO_TILE) -> PreparedCall | RefusedCall:
     """A :func:`fused_kv_norm_rope_into_cache` call validated, ready for
     :meth:`PreparedCall.launch_into_cache`."""
-    tracing = torch.compiler.is_compiling()
+    if torch.compiler.is_compiling():
+        return _traced(accept_cache_call,
+                       (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale,
+                        v_scale),
+                       dict(num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
+                            rope_style=rope_style), tile)
+    if _functorch.maybe_current_level() is not None:
+        _check_untransformed("fused_kv_norm_rope_into_cache",
+                             _ARRAY_NAMES + ("cache_loc", "k_cache", "v_cache", "k_scale", "v_scale"),
+                             (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+                              k_scale, v_scale))
     accepted = accept_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
                                  k_scale, v_scale, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                 rotary_dim=rotary_dim, rope_style=rope_style, takes=None if tracing else "torch",
-                                 remember=not tracing)
-    prepared = _prepared(accepted, kv.device, True, k_scale is not None, v_scale is not None, tracing, tile)
-    if not tracing:
+                                 rotary_dim=rotary_dim, rope_style=rope_style, takes="torch")
+    prepared = _prepared(accepted, kv, True, k_scale is not None, v_scale is not None, tile)
+    if prepared.plan is not None:
         check_output_buffers(kv, (("k_cache", k_cache), ("v_cache", v_cache)))
     return prepared
 
 
 def _check_positions_in_range(positions: torch.Tensor, max_position: int) -> None:
+    if _has_no_memory(positions):
+        raise ValueError(
+            "Invalid check_positions for fused KV materialization: got True on positions without values "
+            "(meta or fake tensors), expected False there (out-of-range positions give all-NaN K rows)."
+        )
     low, high = (int(value) for value in torch.aminmax(positions))  # the one host sync
     check_positions_in_range(low, high, max_position)
 
@@ -202,6 +295,23 @@ def _write_fused_kv_norm_rope_fake(kv, k_norm_weight, eps, cos_sin_cache, positi
                                    num_kv_heads, head_dim, rotary_dim, rope_style, block_tokens=None,
                                    block_heads=None, num_warps=None):
     return None
+
+
+_CONTRACT_ERRORS = {"TypeError": TypeError, "ValueError": ValueError}
+
+
+@torch.library.custom_op("fusedkv::refuse", mutates_args=("written",))
+def _refuse(written: list[torch.Tensor], error: str, message: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A call validation refused while torch.compile traced it (:class:`RefusedCall`):
+    raises ``error`` (``'TypeError'`` or ``'ValueError'``) with ``message`` when it runs.
+    ``written``: the buffers the refused call would write, declared so that the graph
+    keeps the refusal wherever it would keep the call."""
+    raise _CONTRACT_ERRORS[error](message)
+
+
+@_refuse.register_fake
+def _refuse_fake(written, error, message):
+    return torch.empty(0), torch.empty(0)
 
 
 def fused_kv_norm_rope(
@@ -259,7 +369,7 @@ def fused_kv_norm_rope_accepted(accepted: AcceptedCall, kv, k_norm_weight, eps, 
     """:func:`fused_kv_norm_rope` on torch tensors made from arrays that ``interop`` validated
     as ``accepted`` (``interop.core.spec.accept_call``, then ``check_output_buffers``): those
     checks are not run again. Not for other callers: the public function checks everything."""
-    return _prepared(accepted, kv.device, False, False, False, False).launch(
+    return _prepared(accepted, kv, False, False, False).launch(
         kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, False)
 
 

@@ -368,6 +368,20 @@ def test_a_negative_stride_numpy_kv_is_refused_with_the_fix(monkeypatch, backend
         inputs.kv[::-1], *inputs.arrays()[1:], **STATIC, backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+@pytest.mark.parametrize("name", ["cos_sin_cache", "k_out"])
+def test_a_big_endian_numpy_array_is_refused_before_any_backend_runs(monkeypatch, backend, name):
+    args = dict(zip(("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions"),
+                    _inputs(seed=20, dtype="float32").arrays()))
+    args["k_out"] = np.full((2, 5, 2, 32), 7.0, np.float32)
+    args[name] = args[name].astype(">f4")
+    _refused_before_any_backend_runs(
+        monkeypatch, ValueError, f"Invalid {name} for fused KV materialization: got a big-endian array (dtype "
+        f">f4), expected native byte order (pass {name}.astype({name}.dtype.newbyteorder('='))).",
+        **args, **STATIC, backend=backend)
+    assert (args["k_out"] == 7.0).all()
+
+
 def _output(framework, fill):
     host = np.full((2, 5, 2, 32), fill, np.float32).astype(numpy_dtype("bfloat16"))
     return {"numpy": host, "torch": to_torch(host).to(DEVICE, copy=True), "jax": jnp.asarray(host)}[framework]

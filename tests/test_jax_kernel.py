@@ -196,6 +196,21 @@ def test_tile_overrides_that_are_not_powers_of_two_are_refused(overrides, error,
         fused_kv_norm_rope(**_bad_call_args(), **_static(SMALL), **overrides)
 
 
+@pytest.mark.parametrize("name", ["eps", "positions", "cache_loc"])
+def test_a_big_endian_numpy_array_is_refused_naming_it(name):
+    arrays = _bad_call_args()
+    into_cache = name == "cache_loc"
+    if into_cache:
+        cache = np.zeros((2, 4, SMALL.num_kv_heads, SMALL.head_dim), arrays["kv"].dtype)
+        arrays.update(cache_loc=np.array([0, 2, -1], np.int32), k_cache=cache, v_cache=cache.copy())
+    arrays[name] = arrays[name].astype(arrays[name].dtype.newbyteorder(">"))
+    message = (f"Invalid {name} for fused KV materialization: got a big-endian array (dtype "
+               f"{arrays[name].dtype.str}), expected native byte order (pass "
+               f"{name}.astype({name}.dtype.newbyteorder('='))).")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        (fused_kv_norm_rope_into_cache if into_cache else fused_kv_norm_rope)(**arrays, **_static(SMALL))
+
+
 OVERLAP = "got a buffer overlapping {}, expected outputs that overlap neither each other nor kv."
 
 

@@ -7,7 +7,9 @@ What both backends must do alike (the reference, edge values, the cache, refusal
 under interop's tolerance table, V bit for bit, rejected calls write nothing.
 """
 
+import contextlib
 import dataclasses
+import functools
 import os
 import pathlib
 import re
@@ -18,6 +20,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from interop.core.arrays import as_numpy, numpy_dtype
 from interop.exchange import to_torch
@@ -27,6 +30,7 @@ from interop.core.spec import FusedKVConfig
 from interop.testing import assert_bit_exact, assert_close, random_inputs
 from fusedkv_torch import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_torch import kernel as kernel_module
+from fusedkv_torch import ops as ops_module
 from fusedkv_torch.kernel import launch
 from fusedkv_torch.launcher import expected_attributes, specialization_key
 
@@ -386,6 +390,132 @@ def test_a_cache_over_kv_is_refused_on_every_call_and_nothing_is_written():
         with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
             fused_kv_norm_rope_into_cache(kv, *rest, cache_loc, k_cache, v_cache, **static(CONFIG))
     assert [bits(buffer) for buffer in (kv, k_cache, v_cache)] == before
+
+
+# Under torch's transforms: torch.compile, meta and fake tensors, torch.func.
+
+def transformed_call(entry_point, kv, weight, eps, cos_sin, positions, buffers, sizes):
+    """One entry point as a function to transform: ``'allocated'`` outputs, ``'into
+    given outputs'`` or ``'into a cache'`` (``buffers``: the given outputs or caches)."""
+    if entry_point == "into a cache":
+        return fused_kv_norm_rope_into_cache(kv, weight, eps, cos_sin, positions,
+                                             torch.tensor([4, -1, 0], device=kv.device), *buffers, **sizes)
+    outputs = dict(k_out=buffers[0], v_out=buffers[1]) if entry_point == "into given outputs" else {}
+    return fused_kv_norm_rope(kv, weight, eps, cos_sin, positions, **sizes, **outputs)
+
+
+ENTRY_POINTS = ["allocated", "into given outputs", "into a cache"]
+CACHE_SHAPE = (2, 5, CONFIG.num_kv_heads, CONFIG.head_dim)
+
+
+def buffers_for(entry_point, dtype, device=DEVICE):
+    shape = CACHE_SHAPE if entry_point == "into a cache" else SHAPE
+    return [poisoned(shape, dtype, device) for _ in range(2)]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("entry_point", ENTRY_POINTS)
+def test_a_refused_call_under_fullgraph_compile_raises_the_contracts_error(backend, entry_point):
+    inputs = random_inputs(CONFIG, n_layers=2, total_ctx=3, max_position=16, seed=40)
+    kv, weight, eps, cos_sin, positions = on_device(inputs)
+    buffers = buffers_for(entry_point, kv.dtype)
+    torch._dynamo.reset()
+    step = torch.compile(functools.partial(transformed_call, entry_point, sizes=static(CONFIG)), fullgraph=True,
+                         backend=backend)
+    message = "Invalid stacked eps shape for fused KV materialization: got (3,), expected (2,)."
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        step(kv, weight, torch.ones(3), cos_sin, positions, buffers)
+    assert all(torch.isnan(buffer).all() for buffer in buffers)
+    # The good call after it compiles, again without a graph break.
+    result = step(kv, weight, eps, cos_sin, positions, buffers)
+    if entry_point == "into a cache":
+        slots = np.array([4, -1, 0])
+        poison = as_numpy(poisoned(CACHE_SHAPE, kv.dtype, "cpu"))
+        expected_k, expected_v = fused_kv_norm_rope_into_cache_reference(
+            *inputs.arrays(), slots, poison, poison, **static(CONFIG))
+        assert_close(buffers[0], expected_k)
+        assert_bit_exact(buffers[1], expected_v)
+    else:
+        assert_matches_reference(inputs, CONFIG, *result)
+
+
+def test_a_size_refused_under_fullgraph_compile_raises_the_contracts_type_error():
+    inputs = random_inputs(CONFIG, n_layers=2, total_ctx=3, max_position=16, seed=41)
+    torch._dynamo.reset()
+    step = torch.compile(functools.partial(transformed_call, "allocated", buffers=None,
+                                           sizes={**static(CONFIG), "num_kv_heads": 2.0}), fullgraph=True)
+    with pytest.raises(TypeError, match="^" + re.escape(
+            "Invalid num_kv_heads for fused KV materialization: got 2.0 (float), expected a positive int.") + "$"):
+        step(*on_device(inputs))
+
+
+@pytest.mark.parametrize("no_memory", ["meta", "fake"])
+@pytest.mark.parametrize("entry_point", ENTRY_POINTS)
+def test_meta_and_fake_tensors_give_the_results_shapes_without_a_launch(monkeypatch, no_memory, entry_point):
+    inputs = random_inputs(CONFIG, n_layers=2, total_ctx=3, max_position=16, seed=42)
+    real = on_device(inputs)
+    transformed_call(entry_point, *real, buffers_for(entry_point, real[0].dtype), static(CONFIG))
+    launches = []  # after a real call of the same shapes, remembered
+    monkeypatch.setattr(ops_module, "_launch", lambda *args: launches.append("direct"))
+    monkeypatch.setattr(ops_module, "launch", lambda *args, **kwargs: launches.append("registered op"))
+    mode = FakeTensorMode() if no_memory == "fake" else contextlib.nullcontext()
+    with mode:
+        kv, weight, eps, cos_sin, positions = (
+            mode.from_tensor(tensor) if no_memory == "fake" else tensor.to("meta") for tensor in real)
+        buffers = buffers_for(entry_point, kv.dtype, kv.device)
+        k, v = transformed_call(entry_point, kv, weight, eps, cos_sin, positions, buffers, static(CONFIG))
+        with pytest.raises(ValueError, match="^" + re.escape(
+                "Invalid stacked eps shape for fused KV materialization: got (3,), expected (2,).") + "$"):
+            transformed_call(entry_point, kv, weight, eps[:1].expand(3), cos_sin, positions, buffers,
+                             static(CONFIG))
+    assert launches == []
+    if entry_point == "allocated":
+        assert k.shape == v.shape == SHAPE
+    else:
+        assert k is buffers[0] and v is buffers[1]
+    assert k.dtype == v.dtype == real[0].dtype and k.device == v.device == kv.device
+    assert type(k) is type(kv)
+
+
+@pytest.mark.parametrize("no_memory", ["meta", "fake"])
+def test_check_positions_on_positions_without_values_is_refused(no_memory):
+    inputs = random_inputs(CONFIG, n_layers=2, total_ctx=3, max_position=16, seed=43)
+    real = on_device(inputs)
+    mode = FakeTensorMode() if no_memory == "fake" else contextlib.nullcontext()
+    with mode, pytest.raises(ValueError, match="^" + re.escape(
+            "Invalid check_positions for fused KV materialization: got True on positions without values (meta "
+            "or fake tensors), expected False there (out-of-range positions give all-NaN K rows).") + "$"):
+        fused_kv_norm_rope(*(mode.from_tensor(t) if no_memory == "fake" else t.to("meta") for t in real),
+                           **static(CONFIG), check_positions=True)
+
+
+@pytest.mark.parametrize("entry_point, name", [("fused_kv_norm_rope", "kv"), ("fused_kv_norm_rope", "positions"),
+                                               ("fused_kv_norm_rope_into_cache", "cache_loc")])
+def test_vmap_is_refused_naming_the_argument_and_the_function(entry_point, name):
+    inputs = random_inputs(CONFIG, n_layers=2, total_ctx=3, max_position=16, seed=44)
+    args = dict(zip(("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions"), on_device(inputs)))
+    if entry_point == "fused_kv_norm_rope_into_cache":
+        args.update(zip(("k_cache", "v_cache"), buffers_for("into a cache", args["kv"].dtype)),
+                    cache_loc=torch.tensor([4, -1, 0], device=DEVICE))
+    function = getattr(ops_module, entry_point)
+    member = functools.partial(lambda batched, **rest: function(**{name: batched}, **rest, **static(CONFIG)),
+                               **{key: value for key, value in args.items() if key != name})
+    with pytest.raises(TypeError, match="^" + re.escape(
+            f"Invalid {name} for fused KV materialization: got a tensor batched by torch.func.vmap, expected a "
+            f"plain tensor (fusedkv_torch.{entry_point} has no rule for torch.func transforms: call it once per "
+            "batch member, or fold the batch into total_ctx).") + "$"):
+        torch.func.vmap(member)(torch.stack([args[name]] * 2))
+    for buffer in (args.get("k_cache"), args.get("v_cache")):
+        assert buffer is None or torch.isnan(buffer).all()
+
+
+def test_a_call_on_plain_tensors_inside_vmap_runs():
+    inputs = random_inputs(CONFIG, n_layers=2, total_ctx=3, max_position=16, seed=45)
+    args = on_device(inputs)
+    ones = torch.ones(2, dtype=args[0].dtype, device=DEVICE)
+    k = torch.func.vmap(lambda one: fused_kv_norm_rope(*args, **static(CONFIG))[0] * one)(ones)
+    expected_k, _ = fused_kv_norm_rope_reference(*inputs.arrays(), **static(CONFIG))
+    assert_close(k[1], expected_k)
 
 
 # GPU only: real sizes, compilation, CUDA graphs, 64-bit offsets.

@@ -253,6 +253,16 @@ def test_a_negative_stride_names_the_fix():
         check_arrays([("kv", kv)], "any")
 
 
+@pytest.mark.parametrize("accepted", ["any", "jax"])
+@pytest.mark.parametrize("name, dtype", [("eps", ">f4"), ("positions", ">i8")])
+def test_a_big_endian_array_is_refused_naming_the_fix(accepted, name, dtype):
+    array = np.zeros(3, np.dtype(dtype))
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"Invalid {name} for fused KV materialization: got a big-endian array (dtype {dtype}), expected "
+            f"native byte order (pass {name}.astype({name}.dtype.newbyteorder('='))).") + "$"):
+        check_arrays([("kv", None), (name, array)], accepted)
+
+
 # Outputs: writable, no zero strides, sharing memory neither with each other nor with kv.
 
 def _out(fill=7.0):

@@ -193,8 +193,9 @@ def check_arrays(named_arrays, accepted: str) -> None:
     ``named_arrays``: ``(name, array)`` pairs, None for an optional argument left out.
     ``accepted``: ``'torch'`` (fusedkv_torch), ``'jax'`` (fusedkv_jax: jax or NumPy
     arrays) or ``'any'`` (interop: anything with ``__dlpack__``). A wrong kind of
-    object raises ``TypeError``; a NumPy array with a negative stride (which torch
-    cannot take in) raises ``ValueError`` in every entry point alike.
+    object raises ``TypeError``; a NumPy array with a negative stride or a byte order
+    other than the machine's (which neither torch nor jax can take in) raises
+    ``ValueError`` in every entry point alike.
     """
     frameworks, expected = _ACCEPTED_ARRAYS[accepted]
     for name, array in named_arrays:
@@ -211,6 +212,16 @@ def check_arrays(named_arrays, accepted: str) -> None:
                 f"Invalid {name} for fused KV materialization: got strides {array.strides} with "
                 f"a negative stride, expected non-negative strides (pass np.ascontiguousarray({name}))."
             )
+        if framework == "numpy" and not array.dtype.isnative:
+            raise ValueError(
+                f"Invalid {name} for fused KV materialization: got a {_byte_order(array.dtype)} array "
+                f"(dtype {array.dtype.str}), expected native byte order "
+                f"(pass {name}.astype({name}.dtype.newbyteorder('=')))."
+            )
+
+
+def _byte_order(dtype) -> str:
+    return "big-endian" if dtype.byteorder == ">" else "little-endian"
 
 
 def validate_call(
