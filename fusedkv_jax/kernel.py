@@ -115,8 +115,11 @@ def _inverse_rms(sum_squares, eps, head_dim: int, position_ok):
     Zeros where there is no scale to normalize by (rsqrt flushes denormals, hence a
     threshold), NaN where the sum of squares is not finite (NaN or Inf in K, k*k
     overflowed) or the token has no rotation: a NaN poisons the whole row, the unrotated
-    tail included.
+    tail included. Without a K-norm (``eps`` None): 1, or NaN where the token has no
+    rotation (the unused sum of squares is dropped by the compiler).
     """
+    if eps is None:
+        return jnp.where(position_ok[:, None, None], 1.0, jnp.nan)
     mean_square_eps = sum_squares / head_dim + eps
     inv_rms = jnp.where(mean_square_eps < SMALLEST_NORMAL_FP32, 0.0, jax.lax.rsqrt(mean_square_eps))
     return jnp.where(position_ok[:, None, None] & (sum_squares < jnp.inf), inv_rms, jnp.nan)
@@ -223,25 +226,27 @@ def _row_k(load_k, load_weight, *, head_dim: int, rotary_dim: int, rope_style: s
 
 
 def _fused_kv_norm_rope_kernel(
-    kv_ref, weight_ref, eps_ref, cos_sin_ref, positions_ref, *refs,
+    kv_ref, cos_sin_ref, positions_ref, *refs,
     num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str, k_rows: bool,
-    block_tokens: int, block_layers: int, block_heads: int, slotted: bool, k_quantized: bool,
-    v_quantized: bool, interpret: bool,
+    block_tokens: int, block_layers: int, block_heads: int, normed: bool, slotted: bool, k_quantized: bool,
+    v_quantized: bool, v_multiplied: bool, interpret: bool,
 ):
     """One ``[block_tokens, block_heads, head_dim]`` tile of K and V for each of
     ``block_layers`` layers, which share the tile's cos/sin rows.
 
-    Refs are whole arrays: ``kv[total_ctx, n_layers, 2*kv_size]``, ``weight[n_layers,
-    head_dim]``, ``eps[n_layers]``, ``cos_sin[max_pos, rotary_dim]``,
-    ``positions[total_ctx]``; then, as the static switches say, ``slots[total_ctx]``,
-    ``k_scale[n_layers]``, ``v_scale[n_layers]``, the aliased destinations (unread),
+    Refs are whole arrays: ``kv[total_ctx, n_layers, 2*kv_size]``, ``cos_sin[max_pos,
+    rotary_dim]``, ``positions[total_ctx]``; then, as the static switches say,
+    ``weight[n_layers, head_dim]`` and ``eps[n_layers]`` (a K-norm), ``slots[total_ctx]``,
+    ``k_scale[n_layers]``, ``v_scale[n_layers]``, ``v_multiplier[n_layers]``, the aliased destinations (unread),
     and the outputs ``k_out, v_out[n_layers, rows, num_kv_heads, head_dim]``. ``k_rows``
     loads K as whole rows (:func:`_row_k`), else as ``neox`` runs (:func:`_neox_halves_k`).
     """
     optional = iter(refs)
+    weight_ref, eps_ref = (next(optional), next(optional)) if normed else (None, None)
     slots_ref = next(optional) if slotted else None
     k_scale_ref = next(optional) if k_quantized else None
     v_scale_ref = next(optional) if v_quantized else None
+    v_multiplier_ref = next(optional) if v_multiplied else None
     k_out_ref, v_out_ref = refs[-2:]
     total_ctx, max_position = kv_ref.shape[0], cos_sin_ref.shape[0]
     num_rows = k_out_ref.shape[1]
@@ -271,14 +276,18 @@ def _fused_kv_norm_rope_kernel(
     v_columns_ok = v_columns < head_dim
     k_of_layer = (functools.partial(_row_k, rope_style=rope_style) if k_rows else _neox_halves_k)
 
+    def load_weight(layer, columns, ok):
+        if weight_ref is None:  # no K-norm: K is rotated as projected
+            return 1.0
+        return _load(weight_ref.at[layer, columns], mask=ok, other=0.0).astype(jnp.float32)
+
     def load_layer(layer):
         """Issues one layer's loads; returns ``(layer, v, eps, finish_k)``."""
         v = load_kv(layer, kv_size + v_columns, v_columns_ok)
-        eps = _load(eps_ref.at[layer], mask=None, other=None)
+        eps = None if eps_ref is None else _load(eps_ref.at[layer], mask=None, other=None)
         finish_k = k_of_layer(
             lambda columns, ok: load_kv(layer, columns, ok).astype(jnp.float32),
-            lambda columns, ok: _load(weight_ref.at[layer, columns], mask=ok, other=0.0).astype(jnp.float32),
-            head_dim=head_dim, rotary_dim=rotary_dim)
+            functools.partial(load_weight, layer), head_dim=head_dim, rotary_dim=rotary_dim)
         return layer, v, eps, finish_k
 
     in_flight = [load_layer(first_layer + i) for i in range(min(LAYERS_IN_FLIGHT, block_layers))]
@@ -307,6 +316,8 @@ def _fused_kv_norm_rope_kernel(
         if layer_in_block + LAYERS_IN_FLIGHT < block_layers:
             in_flight.append(load_layer(first_layer + layer_in_block + LAYERS_IN_FLIGHT))
         pieces = [(k_out_ref, k_scale_ref, piece) for piece in finish_k(cos, sin, eps, position_ok)]
+        if v_multiplier_ref is not None:
+            v = v.astype(jnp.float32) * _load(v_multiplier_ref.at[layer], mask=None, other=None)
         pieces.append((v_out_ref, v_scale_ref, (v_columns, v, v_columns_ok)))
         for out_ref, scale_ref, (columns, value, columns_ok) in pieces:
             if scale_ref is not None:
@@ -397,7 +408,7 @@ def _multiprocessors() -> int:
 @functools.partial(jax.jit, static_argnames=(
     "config", "block_tokens", "block_heads", "num_warps", "layer_loop", "k_rows", "interpret"))
 def _launch(kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dest, v_dest,
-            k_scale, v_scale, *, config: FusedKVConfig, block_tokens, block_heads, num_warps,
+            k_scale, v_scale, v_multiplier, *, config: FusedKVConfig, block_tokens, block_heads, num_warps,
             layer_loop, k_rows, interpret):
     """:func:`_pallas_launch`, run by each device on its tokens and layers under a sharded jit.
 
@@ -406,7 +417,7 @@ def _launch(kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dest, v_d
     """
     return partitioned(
         _pallas_launch, (kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dest, v_dest,
-                         k_scale, v_scale),
+                         k_scale, v_scale, v_multiplier),
         config=config, block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps,
         layer_loop=layer_loop, k_rows=k_rows, interpret=interpret)
 
@@ -421,7 +432,7 @@ def _varying_axes(arrays) -> jax.sharding.ManualAxisType:
 
 
 def _pallas_launch(kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dest, v_dest,
-                   k_scale, v_scale, *, config: FusedKVConfig, block_tokens, block_heads,
+                   k_scale, v_scale, v_multiplier, *, config: FusedKVConfig, block_tokens, block_heads,
                    num_warps, layer_loop, k_rows, interpret):
     """The one ``pallas_call``: writes ``[n_layers, rows, heads, head_dim]`` K and V.
 
@@ -435,8 +446,8 @@ def _pallas_launch(kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_de
     block_layers = n_layers if layer_loop else 1
     shape = config.output_shape(n_layers, total_ctx)
     destinations = (k_dest, v_dest)
-    inputs = [kv, k_norm_weight, eps, cos_sin_cache, positions]
-    inputs += [a for a in (slots, k_scale, v_scale) if a is not None]
+    inputs = [kv, cos_sin_cache, positions]
+    inputs += [a for a in (k_norm_weight, eps, slots, k_scale, v_scale, v_multiplier) if a is not None]
     # Inside jax.shard_map (check_vma, its default) each output must say which mesh axes
     # it varies over; jax 0.10-0.11 spell that ShapeDtypeStruct(manual_axis_type=...).
     varying = _varying_axes(inputs + [d for d in destinations if d is not None])
@@ -454,8 +465,8 @@ def _pallas_launch(kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_de
         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         rotary_dim=config.rotary_dim, rope_style=config.rope_style, k_rows=k_rows,
         block_tokens=block_tokens, block_layers=block_layers, block_heads=block_heads,
-        slotted=slots is not None, k_quantized=k_scale is not None,
-        v_quantized=v_scale is not None, interpret=interpret,
+        normed=k_norm_weight is not None, slotted=slots is not None, k_quantized=k_scale is not None,
+        v_quantized=v_scale is not None, v_multiplied=v_multiplier is not None, interpret=interpret,
     )
     grid = (pl.cdiv(total_ctx, block_tokens), n_layers // block_layers, pl.cdiv(config.num_kv_heads, block_heads))
     return pl.pallas_call(
@@ -499,6 +510,7 @@ def fused_kv_norm_rope(
     head_dim: int,
     rotary_dim: int,
     rope_style: str = "neox",
+    v_multiplier=None,
     k_out=None,
     v_out=None,
     check_positions: bool = False,
@@ -525,14 +537,17 @@ def fused_kv_norm_rope(
         heads then all V heads; ``kv_size = num_kv_heads * head_dim``. jax arrays are
         dense: under ``jax.jit`` a slice of a larger GEMM output is materialized by XLA
         before the kernel reads it.
-      k_norm_weight: float[n_layers, head_dim].
-      eps: fp32[n_layers].
+      k_norm_weight: float[n_layers, head_dim], or None for a draft without a K-norm (K is
+        then RoPE of the projected K, rounded once).
+      eps: fp32[n_layers]; None exactly when ``k_norm_weight`` is.
       cos_sin_cache: fp32[max_pos, rotary_dim], row p = cos values then sin values.
       positions: int32/int64[total_ctx]. With x64 off jax holds int64 as int32: a host
         (NumPy) int64 array is narrowed here with out-of-range values kept out of range;
         a jax array is already int32. A position outside ``[0, max_pos)`` gives an
         all-NaN K row, unless ``check_positions`` raises for it.
       num_kv_heads, head_dim, rotary_dim, rope_style: static configuration (ints, a str).
+      v_multiplier: optional fp32[n_layers]: V is ``v * v_multiplier[l]`` in fp32, rounded
+        once (a model's per-layer value scale); None copies V bit for bit.
       k_out, v_out: optional dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim];
         aliased to the outputs, so under ``jax.jit`` with these buffers donated the
         results are written in place (without donation XLA copies them first). One
@@ -555,18 +570,21 @@ def fused_kv_norm_rope(
     """
     outputs, given_kv = (("k_out", k_out), ("v_out", v_out)), kv
     check_arrays((("kv", kv), ("k_norm_weight", k_norm_weight), ("eps", eps),
-                  ("cos_sin_cache", cos_sin_cache), ("positions", positions), *outputs), "jax")
+                  ("cos_sin_cache", cos_sin_cache), ("positions", positions), ("v_multiplier", v_multiplier),
+                  *outputs), "jax")
     kv, k_out, v_out = (_on_default_device(a) for a in (kv, k_out, v_out))
     accepted = accept_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
+        v_multiplier=v_multiplier,
     )
     # On the caller's own arrays: a NumPy array's memory is not seen once moved to jax.
     check_output_buffers(given_kv, outputs)
     if check_positions and accepted.shape.total_ctx:
         check_positions_in_range(*_position_range(positions), accepted.shape.max_position)
     return fused_kv_norm_rope_accepted(
-        accepted, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=k_out, v_out=v_out,
+        accepted, kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier=v_multiplier, k_out=k_out,
+        v_out=v_out,
         block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps, interpret=interpret,
         lowering=lowering)
 
@@ -584,8 +602,8 @@ def _position_range(positions) -> tuple[int, int]:
 
 
 def fused_kv_norm_rope_accepted(accepted: AcceptedCall, kv, k_norm_weight, eps, cos_sin_cache, positions, *,
-                                 k_out=None, v_out=None, block_tokens=None, block_heads=None, num_warps=None,
-                                 interpret=None, lowering=None):
+                                v_multiplier=None, k_out=None, v_out=None, block_tokens=None, block_heads=None,
+                                num_warps=None, interpret=None, lowering=None):
     """:func:`fused_kv_norm_rope` on jax arrays (and NumPy ones but ``kv``) that were
     validated as ``accepted`` (``interop.core.spec.accept_call``, then ``check_output_buffers``):
     those checks are not run again. ``interop``'s and :func:`fused_kv_norm_rope`'s own path;
@@ -593,7 +611,8 @@ def fused_kv_norm_rope_accepted(accepted: AcceptedCall, kv, k_norm_weight, eps, 
     call = accepted.shape
     options = _launch_options(call, kv, block_tokens, block_heads, num_warps, interpret)
     lowering = _lowering(lowering, call, kv.dtype, options["interpret"],
-                         tuned=(block_tokens, block_heads, num_warps) != (None, None, None))
+                         tuned=(block_tokens, block_heads, num_warps) != (None, None, None),
+                         plain=k_norm_weight is not None and v_multiplier is None)
     if call.total_ctx == 0 or call.n_layers == 0:
         empty = jnp.empty(call.output_shape, kv.dtype)
         return (empty if k_out is None else k_out), (empty if v_out is None else v_out)
@@ -601,7 +620,8 @@ def fused_kv_norm_rope_accepted(accepted: AcceptedCall, kv, k_norm_weight, eps, 
     if lowering == "mosaic_gpu":
         return mosaic_kernel.launch(kv, k_norm_weight, eps, cos_sin_cache, positions,
                                     config=call.config, interpret=options["interpret"])
-    return _launch(kv, k_norm_weight, eps, cos_sin_cache, positions, None, k_out, v_out, None, None, **options)
+    return _launch(kv, k_norm_weight, eps, cos_sin_cache, positions, None, k_out, v_out, None, None, v_multiplier,
+                   **options)
 
 
 def _launch_options(call: CallShape, kv, block_tokens, block_heads, num_warps, interpret) -> dict:
@@ -633,8 +653,9 @@ def default_lowering(config: FusedKVConfig, kv_dtype, *, interpret: bool = False
     return "triton"
 
 
-def _lowering(lowering, call, kv_dtype, interpret: bool, *, tuned: bool) -> str:
-    """The lowering named (checked against what it can run), or the default."""
+def _lowering(lowering, call, kv_dtype, interpret: bool, *, tuned: bool, plain: bool) -> str:
+    """The lowering named (checked against what it can run), or the default. ``plain``: the
+    call has a K-norm and no V multiplier, the only form the Mosaic GPU kernel has."""
     if lowering is None:
         return default_lowering(call.config, kv_dtype, interpret=interpret)
     if lowering not in LOWERINGS:
@@ -649,6 +670,10 @@ def _lowering(lowering, call, kv_dtype, interpret: bool, *, tuned: bool) -> str:
                 f"rotary_dim={config.rotary_dim}, dtype={jnp.dtype(kv_dtype).name}, expected "
                 "'triton' (Mosaic GPU takes bf16/fp16 neox with rotary halves and tail in "
                 "multiples of 8 columns and 32 bytes, head_dim <= 256).")
+        if not plain:
+            raise ValueError("Invalid lowering for fused KV materialization: got 'mosaic_gpu' for a call "
+                             "without a K-norm or with a v_multiplier, expected 'triton' (the Mosaic GPU "
+                             "kernel normalizes K and copies V).")
         if tuned:
             raise ValueError("Invalid tile override for fused KV materialization: got "
                              "block_tokens/block_heads/num_warps with lowering='mosaic_gpu', "
@@ -677,6 +702,7 @@ def fused_kv_norm_rope_into_cache(
     rope_style: str = "neox",
     k_scale=None,
     v_scale=None,
+    v_multiplier=None,
     block_tokens: int | None = None,
     block_heads: int | None = None,
     num_warps: int | None = None,
@@ -697,6 +723,8 @@ def fused_kv_norm_rope_into_cache(
         head_dim]; aliased to the outputs, so under ``jax.jit`` with the caches donated
         they are updated in place.
       k_scale, v_scale: fp32[n_layers], for (and only for) a float8_e4m3fn cache.
+      v_multiplier: as for :func:`fused_kv_norm_rope`; an fp8 V cache holds
+        ``(v * v_multiplier[l]) / v_scale[l]``.
 
     Returns:
       ``(k_cache, v_cache)`` updated.
@@ -704,11 +732,12 @@ def fused_kv_norm_rope_into_cache(
     caches, given_kv = (("k_cache", k_cache), ("v_cache", v_cache)), kv
     check_arrays((("kv", kv), ("k_norm_weight", k_norm_weight), ("eps", eps),
                   ("cos_sin_cache", cos_sin_cache), ("positions", positions), ("cache_loc", cache_loc),
-                  *caches, ("k_scale", k_scale), ("v_scale", v_scale)), "jax")
+                  *caches, ("k_scale", k_scale), ("v_scale", v_scale), ("v_multiplier", v_multiplier)), "jax")
     kv, k_cache, v_cache = (_on_default_device(a) for a in (kv, k_cache, v_cache))
     call = accept_cache_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale, v_scale,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
+        v_multiplier=v_multiplier,
     ).shape
     check_output_buffers(given_kv, caches)
     options = _launch_options(call, kv, block_tokens, block_heads, num_warps, interpret)
@@ -717,4 +746,4 @@ def fused_kv_norm_rope_into_cache(
     positions = narrow_for_jax(positions)
     cache_loc = narrow_for_jax(cache_loc)
     return _launch(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-                   k_scale, v_scale, **options)
+                   k_scale, v_scale, v_multiplier, **options)

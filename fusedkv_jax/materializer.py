@@ -49,21 +49,25 @@ class FusedKVMaterializer:
         layers = tuple(layers)
         self.config = validate_layers(layers, cos_sin_cache, accepted="jax")
         self.kv_proj_weight = jnp.concatenate([jnp.asarray(layer.kv_proj_weight) for layer in layers])
-        self.k_norm_weight = jnp.stack(
-            [jnp.asarray(layer.k_norm_weight).astype(jnp.float32) for layer in layers])
-        self.eps = jnp.asarray([float(layer.eps) for layer in layers], dtype=jnp.float32)
+        self.k_norm_weight = self.eps = self.v_multiplier = None  # a draft without them
+        if self.config.normed:
+            self.k_norm_weight = jnp.stack(
+                [jnp.asarray(layer.k_norm_weight).astype(jnp.float32) for layer in layers])
+            self.eps = jnp.asarray([float(layer.eps) for layer in layers], dtype=jnp.float32)
+        if self.config.v_multiplied:
+            self.v_multiplier = jnp.asarray([float(layer.v_multiplier) for layer in layers], dtype=jnp.float32)
         self.cos_sin_cache = jnp.asarray(
             layers[0].rope.cos_sin_cache() if cos_sin_cache is None else cos_sin_cache)
 
     def tree_flatten(self):
-        return (self.kv_proj_weight, self.k_norm_weight, self.eps, self.cos_sin_cache), self.config
+        return (self.kv_proj_weight, self.k_norm_weight, self.eps, self.cos_sin_cache, self.v_multiplier), self.config
 
     @classmethod
     def tree_unflatten(cls, config, leaves):
         materializer = object.__new__(cls)
         materializer.config = config
         (materializer.kv_proj_weight, materializer.k_norm_weight, materializer.eps,
-         materializer.cos_sin_cache) = leaves
+         materializer.cos_sin_cache, materializer.v_multiplier) = leaves
         return materializer
 
     def project(self, ctx_hidden: jax.Array) -> jax.Array:
@@ -179,7 +183,8 @@ def _op_arrays(materializer: FusedKVMaterializer, ctx_hidden: jax.Array, positio
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def _materialize(materializer, ctx_hidden, positions, *, interpret):
     return fused_kv_norm_rope(*_op_arrays(materializer, ctx_hidden, positions),
-                              **materializer.config.op_kwargs(), interpret=interpret)
+                              **materializer.config.op_kwargs(), v_multiplier=materializer.v_multiplier,
+                              interpret=interpret)
 
 
 @functools.partial(jax.jit, donate_argnames=("k_cache", "v_cache"), static_argnames=("interpret",))
@@ -187,4 +192,5 @@ def _materialize_into_cache(materializer, ctx_hidden, positions, cache_loc, k_ca
                             k_scale, v_scale, *, interpret):
     return fused_kv_norm_rope_into_cache(
         *_op_arrays(materializer, ctx_hidden, positions), cache_loc, k_cache, v_cache,
-        **materializer.config.op_kwargs(), k_scale=k_scale, v_scale=v_scale, interpret=interpret)
+        **materializer.config.op_kwargs(), k_scale=k_scale, v_scale=v_scale, v_multiplier=materializer.v_multiplier,
+        interpret=interpret)

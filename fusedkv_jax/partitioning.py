@@ -18,7 +18,7 @@ What is split, and what is not:
 
 * ``kv[total_ctx, n_layers, 2*kv_size]`` along tokens and/or layers, the outputs
   ``[n_layers, total_ctx, heads, head_dim]`` the same way; ``positions`` follow the
-  tokens, ``k_norm_weight``, ``eps`` (and fp8 scales) the layers; ``cos_sin_cache`` is
+  tokens, ``k_norm_weight``, ``eps`` (and fp8 scales, a V multiplier) the layers; ``cos_sin_cache`` is
   replicated (a slice of it per device would need every position's row).
 * Never ``kv``'s last dimension: per token and layer it holds every K head, then every
   V head, so a split of it is not a split by heads (the first half of the devices
@@ -52,9 +52,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 # of the sharding rule: t tokens, l layers, c kv columns, d head_dim, h heads, m rows of
 # the cos/sin table, r rotary_dim, s cache slots.
 _OPERANDS = ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "slots",
-             "k_dest", "v_dest", "k_scale", "v_scale")
+             "k_dest", "v_dest", "k_scale", "v_scale", "v_multiplier")
 _FACTORS = {"kv": "t l c", "k_norm_weight": "l d", "eps": "l", "cos_sin_cache": "m r",
-            "positions": "t", "slots": "t", "k_scale": "l", "v_scale": "l"}
+            "positions": "t", "slots": "t", "k_scale": "l", "v_scale": "l", "v_multiplier": "l"}
 # Factors no device may hold a part of: the kernel needs whole heads, the whole table
 # and (for a cache) every slot. kv's columns ``c`` are left out so that the partition
 # callback sees, and refuses, a kv split along them instead of XLA gathering it.
@@ -64,7 +64,7 @@ _WHOLE = ("d", "h", "m", "r", "s")
 def partitioned(launch, arrays, **static):
     """``launch(*arrays, **static)``, each device on its tokens and layers under a sharded jit.
 
-    ``arrays`` are the launcher's ten array arguments in :data:`_OPERANDS` order, None
+    ``arrays`` are the launcher's eleven array arguments in :data:`_OPERANDS` order, None
     where absent (no ``slots``: the plain op; ``slots``: the op into a paged cache).
     """
     present = tuple(array is not None for array in arrays)
@@ -130,7 +130,7 @@ def _specs(tokens, layers, columns, slotted):
     specs = {"kv": PartitionSpec(tokens, layers, None), "k_norm_weight": PartitionSpec(layers, None),
              "eps": by_layer, "cos_sin_cache": PartitionSpec(None, None),
              "positions": PartitionSpec(tokens), "slots": PartitionSpec(tokens),
-             "k_dest": output, "v_dest": output, "k_scale": by_layer, "v_scale": by_layer}
+             "k_dest": output, "v_dest": output, "k_scale": by_layer, "v_scale": by_layer, "v_multiplier": by_layer}
     return specs, output
 
 

@@ -84,9 +84,11 @@ def head_parallel_materializer(
     config = shares[0].config
     by_head = PartitionSpec(axis_name)
     whole = PartitionSpec()
-    specs = FusedKVMaterializer.tree_unflatten(config, [by_head, whole, whole, whole])
-    weight = jnp.concatenate([share.kv_proj_weight for share in shares])
-    leaves = [weight, *jax.tree.leaves(shares[0])[1:]]
-    placed = [jax.device_put(leaf, NamedSharding(mesh, spec))
-              for leaf, spec in zip(leaves, jax.tree.leaves(specs))]
-    return FusedKVMaterializer.tree_unflatten(config, placed), specs
+    # The projection weight is split by heads; every other array (None where a draft has none) is whole.
+    children, _ = shares[0].tree_flatten()
+    children = (jnp.concatenate([share.kv_proj_weight for share in shares]), *children[1:])
+    child_specs = [by_head] + [None if child is None else whole for child in children[1:]]
+    placed = [None if child is None else jax.device_put(child, NamedSharding(mesh, spec))
+              for child, spec in zip(children, child_specs)]
+    return (FusedKVMaterializer.tree_unflatten(config, placed),
+            FusedKVMaterializer.tree_unflatten(config, child_specs))

@@ -81,8 +81,8 @@ def _store_rotary_halves(base_ptrs, stride, first, second, mask, TOKENS: tl.cons
 
 
 @triton.jit
-def _to_destination(values, scale, inverse_scale, dtype: tl.constexpr, QUANTIZE: tl.constexpr):
-    """fp32 values in the destination dtype; an fp8 cache holds ``values / scale`` saturated,
+def _to_destination(values, scale_ptr, scale, inverse_scale, dtype: tl.constexpr):
+    """fp32 values in the destination dtype; an fp8 cache (given ``scale_ptr``) holds ``values / scale`` saturated,
     or NaN where the scale is outside ``[FP8_SCALE_MIN, FP8_SCALE_MAX]`` (interop.core.reference).
 
     The quotient is the correctly rounded ``values / scale`` of the reference, without a
@@ -93,7 +93,7 @@ def _to_destination(values, scale, inverse_scale, dtype: tl.constexpr, QUANTIZE:
     (Markstein's theorem), which the scale's range ensures. Where the step gives NaN (an
     infinite quotient) the plain product is kept, so it saturates as the reference.
     """
-    if QUANTIZE:
+    if scale_ptr is not None:
         quotient = values * inverse_scale
         refined = tl.fma(tl.fma(-quotient, scale, values), inverse_scale, quotient)
         values = tl.where(refined != refined, quotient, refined)
@@ -120,9 +120,9 @@ def _tile_of_program(total_ctx, N_LAYERS: tl.constexpr, NUM_HEADS: tl.constexpr,
 
 
 @triton.jit
-def _destination_rows(tokens, in_context, slots_ptr, slots_stride, num_slots, SLOTTED: tl.constexpr):
+def _destination_rows(tokens, in_context, slots_ptr, slots_stride, num_slots):
     """``(rows, written)``: row ``t`` for token ``t``, or its cache slot, skipped outside the cache."""
-    if SLOTTED:
+    if slots_ptr is not None:
         rows = tl.load(slots_ptr + tokens * slots_stride, mask=in_context, other=-1).to(tl.int64)
         return rows, in_context & (rows >= 0) & (rows < num_slots)
     return tokens, in_context
@@ -143,10 +143,32 @@ def _load_head_rows(row_ptrs, stride, mask, TOKENS: tl.constexpr, HEADS: tl.cons
 
 
 @triton.jit
-def _inverse_rms(first, second, tail, eps, rotatable, HEAD_DIM: tl.constexpr, TAIL_BLOCK: tl.constexpr):
+def _load_norm(weight_ptr, layer, weight_stride_l, weight_stride_d, every_row, eps_ptr, eps_stride,
+               TOKENS: tl.constexpr, HEADS: tl.constexpr, PAIR_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr,
+               HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, GPTJ: tl.constexpr):
+    """The layer's K-norm weight as :func:`_load_head_rows` pieces, and its eps; ones and
+    zero for a draft without a K-norm (``weight_ptr`` None).
+
+    The weight rows come at K's [tokens, heads, dims] shape (``every_row`` is zeros of
+    it), each thread its own copy (L1 serves the repeats), so they arrive in K's register
+    layout: a [1, 1, dims] row would be shuffled through shared memory to meet it.
+    """
+    if weight_ptr is not None:
+        rows = weight_ptr + layer * weight_stride_l + every_row
+        first, second, tail = _load_head_rows(rows, weight_stride_d, every_row == 0, TOKENS, HEADS, PAIR_BLOCK,
+                                              TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ)
+        return first, second, tail, tl.load(eps_ptr + layer * eps_stride)
+    return 1.0, 1.0, 1.0, 0.0
+
+
+@triton.jit
+def _inverse_rms(first, second, tail, eps, rotatable, weight_ptr, HEAD_DIM: tl.constexpr, TAIL_BLOCK: tl.constexpr):
     """``rsqrt(mean(k*k) + eps)`` per head row, with the edge values of interop.core.reference:
     zeros where there is no scale to normalize by (rsqrt flushes denormals, hence a
-    threshold), NaN where the sum of squares is not finite or the token has no rotation."""
+    threshold), NaN where the sum of squares is not finite or the token has no rotation.
+    Without a K-norm (``weight_ptr`` None): 1, or NaN where the token has no rotation."""
+    if weight_ptr is None:
+        return tl.where(rotatable, 1.0, float("nan"))[:, None, None]
     sum_squares = tl.sum(first * first, 2) + tl.sum(second * second, 2)
     if TAIL_BLOCK > 0:
         sum_squares += tl.sum(tail * tail, 2)
@@ -164,52 +186,73 @@ def _rotate(first, second, cos, sin):
 
 
 @triton.jit
-def _layer_scale(scale_ptr, layer, stride, QUANTIZED: tl.constexpr):
+def _layer_scale(scale_ptr, layer, stride):
     """``(scale, 1/scale)`` of the layer's fp8 cache; ones for a cache that is not fp8."""
-    if QUANTIZED:
+    if scale_ptr is not None:
         scale = tl.load(scale_ptr + layer * stride)
         return scale, tl.div_rn(1.0, scale)
     return 1.0, 1.0
 
 
 @triton.jit
-def _store_head_rows(row_ptrs, stride, first, second, tail, mask, scale, inverse_scale,
+def _layer_multiplier(multiplier_ptr, layer, stride):
+    """The layer's V multiplier; 1 where V is copied (``multiplier_ptr`` None)."""
+    if multiplier_ptr is not None:
+        return tl.load(multiplier_ptr + layer * stride)
+    return 1.0
+
+
+@triton.jit
+def _v_to_destination(v, multiplier_ptr, multiplier, scale_ptr, scale, inverse_scale, dtype: tl.constexpr):
+    """V as its destination holds it: as loaded (bit for bit, NaN payloads included), or
+    ``v * multiplier`` in fp32 and then :func:`_to_destination`."""
+    if multiplier_ptr is not None or scale_ptr is not None:
+        values = v.to(tl.float32)
+        if multiplier_ptr is not None:
+            values = values * multiplier
+        return _to_destination(values, scale_ptr, scale, inverse_scale, dtype)
+    return v
+
+
+@triton.jit
+def _store_head_rows(row_ptrs, stride, first, second, tail, mask, scale_ptr, scale, inverse_scale,
                      TOKENS: tl.constexpr, HEADS: tl.constexpr, PAIR_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, GPTJ: tl.constexpr,
-                     QUANTIZED: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, GPTJ: tl.constexpr):
     """:func:`_load_head_rows`'s pieces, each in the destination's dtype (:func:`_to_destination`)."""
     dtype = row_ptrs.dtype.element_ty
-    _store_rotary_halves(row_ptrs, stride, _to_destination(first, scale, inverse_scale, dtype, QUANTIZED),
-                         _to_destination(second, scale, inverse_scale, dtype, QUANTIZED), mask,
+    _store_rotary_halves(row_ptrs, stride, _to_destination(first, scale_ptr, scale, inverse_scale, dtype),
+                         _to_destination(second, scale_ptr, scale, inverse_scale, dtype), mask,
                          TOKENS, HEADS, PAIR_BLOCK, ROTARY_DIM, GPTJ)
     if TAIL_BLOCK > 0:
         tail_dims = ROTARY_DIM + tl.arange(0, TAIL_BLOCK)[None, None, :]
-        tl.store(row_ptrs + tail_dims * stride, _to_destination(tail, scale, inverse_scale, dtype, QUANTIZED),
+        tl.store(row_ptrs + tail_dims * stride, _to_destination(tail, scale_ptr, scale, inverse_scale, dtype),
                  mask=mask & (tail_dims < HEAD_DIM))
 
 
 @triton.jit(do_not_specialize=["total_ctx", "max_position", "num_slots"])
 def _fused_kv_norm_rope_kernel(
-    # Tensors, then sizes, then strides, then constexprs: the order DirectLauncher expects.
+    # Tensors (None where a call has none), then sizes, then strides, then constexprs:
+    # the order DirectLauncher expects.
     kv_ptr, k_norm_weight_ptr, eps_ptr, cos_sin_ptr, positions_ptr, slots_ptr,
-    k_dest_ptr, v_dest_ptr, k_scale_ptr, v_scale_ptr,
+    k_dest_ptr, v_dest_ptr, k_scale_ptr, v_scale_ptr, v_multiplier_ptr,
     total_ctx, max_position, num_slots,
     kv_stride_t, kv_stride_l, kv_stride_d,
     weight_stride_l, weight_stride_d, eps_stride, cos_sin_stride_p, cos_sin_stride_d,
-    positions_stride, slots_stride, k_scale_stride, v_scale_stride,
+    positions_stride, slots_stride, k_scale_stride, v_scale_stride, v_multiplier_stride,
     k_stride_l, k_stride_row, k_stride_h, k_stride_d,
     v_stride_l, v_stride_row, v_stride_h, v_stride_d,
     N_LAYERS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
-    GPTJ: tl.constexpr, SLOTTED: tl.constexpr, K_QUANTIZED: tl.constexpr, V_QUANTIZED: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_HEADS: tl.constexpr,
+    GPTJ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HEADS: tl.constexpr,
     PAIR_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, HEAD_BLOCK: tl.constexpr,
     DEPENDENT_LAUNCH: tl.constexpr,
 ):
     """One ``[BLOCK_T tokens, BLOCK_HEADS heads, head_dim]`` tile of one layer's K and V.
 
-    Every load is issued before any store (destinations might alias inputs as far as the
-    compiler knows, so it would not move a load past a store), and none waits on another
-    but the cos/sin rows on their positions.
+    What a call leaves out is None and carried by the helpers: ``slots_ptr`` (rows are
+    the tokens), ``k_norm_weight_ptr`` and ``eps_ptr`` (no K-norm), the scales (no fp8
+    cache), ``v_multiplier_ptr`` (V copied). Every load is issued before any store
+    (destinations might alias inputs as far as the compiler knows, so it would not move
+    a load past a store), and none waits on another but the cos/sin rows on their positions.
     """
     if DEPENDENT_LAUNCH:
         # Let the kernel behind start launching now; read nothing until the one ahead (which
@@ -220,7 +263,7 @@ def _fused_kv_norm_rope_kernel(
     in_context = tokens < total_ctx
     loaded = in_context[:, None, None]
     positions = tl.load(positions_ptr + tokens * positions_stride, mask=in_context, other=0).to(tl.int64)
-    rows, written = _destination_rows(tokens, in_context, slots_ptr, slots_stride, num_slots, SLOTTED)
+    rows, written = _destination_rows(tokens, in_context, slots_ptr, slots_stride, num_slots)
     rows, written = rows[:, None, None], written[:, None, None]
 
     kv_rows = kv_ptr + tokens[:, None, None] * kv_stride_t + layer * kv_stride_l
@@ -231,34 +274,33 @@ def _fused_kv_norm_rope_kernel(
     v = tl.load(kv_rows + (NUM_HEADS + heads) * head_stride + head_dims * kv_stride_d,
                 mask=loaded & (head_dims < HEAD_DIM))
 
-    # The cos/sin and weight rows come at K's [tokens, heads, dims] shape, each thread its own
-    # copy (L1 serves the repeats), so they arrive in K's register layout: a [tokens, 1, dims]
-    # tile would be shuffled through shared memory to meet it. A bad position is never read.
+    # The cos/sin rows come at K's [tokens, heads, dims] shape, as the weight rows do
+    # (_load_norm says why). A bad position is never read.
     rotatable = (positions >= 0) & (positions < max_position)
     every_head = heads * 0
     cos_sin_rows = (cos_sin_ptr + positions * cos_sin_stride_p)[:, None, None] + every_head
     cos, sin = _load_rotary_halves(cos_sin_rows, cos_sin_stride_d, (in_context & rotatable)[:, None, None] &
                                    (every_head == 0), BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, ROTARY_DIM, False)
-    weight_rows = k_norm_weight_ptr + layer * weight_stride_l + tokens[:, None, None] * 0 + every_head
-    w_first, w_second, w_tail = _load_head_rows(weight_rows, weight_stride_d, every_head == 0, BLOCK_T,
-                                                BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ)
-    eps = tl.load(eps_ptr + layer * eps_stride)
+    w_first, w_second, w_tail, eps = _load_norm(k_norm_weight_ptr, layer, weight_stride_l, weight_stride_d,
+                                                tokens[:, None, None] * 0 + every_head, eps_ptr, eps_stride,
+                                                BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM,
+                                                ROTARY_DIM, GPTJ)
     # Each cache has its own scale: an fp8 K cache may sit beside a bf16 V cache.
-    k_scale, k_inverse_scale = _layer_scale(k_scale_ptr, layer, k_scale_stride, K_QUANTIZED)
-    v_scale, v_inverse_scale = _layer_scale(v_scale_ptr, layer, v_scale_stride, V_QUANTIZED)
+    k_scale, k_inverse_scale = _layer_scale(k_scale_ptr, layer, k_scale_stride)
+    v_scale, v_inverse_scale = _layer_scale(v_scale_ptr, layer, v_scale_stride)
+    v_multiplier = _layer_multiplier(v_multiplier_ptr, layer, v_multiplier_stride)
 
     # V first: its writes start while K still waits for the cos/sin rows.
     v_dest = v_dest_ptr + layer * v_stride_l + rows * v_stride_row + heads * v_stride_h
-    if V_QUANTIZED:  # else V is stored as loaded: bit for bit, NaN payloads included
-        v = _to_destination(v.to(tl.float32), v_scale, v_inverse_scale, v_dest_ptr.dtype.element_ty, V_QUANTIZED)
+    v = _v_to_destination(v, v_multiplier_ptr, v_multiplier, v_scale_ptr, v_scale, v_inverse_scale,
+                          v_dest_ptr.dtype.element_ty)
     tl.store(v_dest + head_dims * v_stride_d, v, mask=written & (head_dims < HEAD_DIM))
 
-    inv_rms = _inverse_rms(k_first, k_second, k_tail, eps, rotatable, HEAD_DIM, TAIL_BLOCK)
+    inv_rms = _inverse_rms(k_first, k_second, k_tail, eps, rotatable, k_norm_weight_ptr, HEAD_DIM, TAIL_BLOCK)
     k_first, k_second = _rotate(k_first * inv_rms * w_first, k_second * inv_rms * w_second, cos, sin)
     k_dest = k_dest_ptr + layer * k_stride_l + rows * k_stride_row + heads * k_stride_h
-    _store_head_rows(k_dest, k_stride_d, k_first, k_second, k_tail * inv_rms * w_tail, written, k_scale,
-                     k_inverse_scale, BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ,
-                     K_QUANTIZED)
+    _store_head_rows(k_dest, k_stride_d, k_first, k_second, k_tail * inv_rms * w_tail, written, k_scale_ptr, k_scale,
+                     k_inverse_scale, BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ)
 
 
 
@@ -296,8 +338,7 @@ _FOUR_TOKEN_TILES = (256, 384)
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, slotted: bool, k_quantized: bool,
-          v_quantized: bool, block_tokens: Optional[int], block_heads: Optional[int],
+def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, block_tokens: Optional[int], block_heads: Optional[int],
           num_warps: Optional[int], dependent_launch: bool) -> tuple[int, tuple, int, bool]:
     """``(grid, constexpr values in kernel order, num_warps, dependent_launch)`` of a launch."""
     default_block, default_heads, default_warps = default_tile(
@@ -310,15 +351,14 @@ def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, slotted: bool, k
     tail = config.head_dim - config.rotary_dim
     constexprs = (
         n_layers, config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style == "gptj",
-        slotted, k_quantized, v_quantized, block_tokens, block_heads, next_power_of_2(config.rotary_dim // 2),
+        block_tokens, block_heads, next_power_of_2(config.rotary_dim // 2),
         next_power_of_2(tail) if tail else 0, next_power_of_2(config.head_dim), dependent_launch,
     )
     grid = -(-total_ctx // block_tokens) * n_layers * (config.num_kv_heads // block_heads)
     return grid, constexprs, num_warps or default_warps, dependent_launch
 
 
-def tuned_plan(config: FusedKVConfig, total_ctx: int, n_layers: int, slotted: bool, k_quantized: bool,
-               v_quantized: bool, tile: tuple, dependent_launch: bool) -> tuple:
+def tuned_plan(config: FusedKVConfig, total_ctx: int, n_layers: int, tile: tuple, dependent_launch: bool) -> tuple:
     """The launch plan with ``tile = (block_tokens, block_heads, num_warps)`` overriding
     :func:`default_tile` where not None, each checked (``ValueError``/``TypeError``)."""
     block_tokens, block_heads, num_warps = tile
@@ -326,8 +366,7 @@ def tuned_plan(config: FusedKVConfig, total_ctx: int, n_layers: int, slotted: bo
     block_tokens = None if block_tokens is None else tile_argument("block_tokens", block_tokens)
     block_heads = None if block_heads is None else size_argument("block_heads", block_heads)
     num_warps = None if num_warps is None else tile_argument("num_warps", num_warps)
-    return _plan(config, total_ctx, n_layers, slotted, k_quantized, v_quantized, block_tokens, block_heads,
-                 num_warps, dependent_launch)
+    return _plan(config, total_ctx, n_layers, block_tokens, block_heads, num_warps, dependent_launch)
 
 
 _launcher = DirectLauncher(_fused_kv_norm_rope_kernel)
@@ -347,16 +386,20 @@ def supports_dependent_launch(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
+def _strides(tensor, ndim: int) -> tuple:
+    """A tensor's strides, or zeros for one a call leaves out."""
+    return (0,) * ndim if tensor is None else tensor.stride()
+
+
 def _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, cache_loc, k_scale,
-            v_scale, compiled=None) -> None:
+            v_scale, v_multiplier, compiled=None) -> None:
     grid, constexprs, num_warps, dependent_launch = plan
     _launcher(
         grid,
-        (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_dest, v_dest, k_scale, v_scale),
+        (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_dest, v_dest, k_scale, v_scale, v_multiplier),
         (kv.shape[0], cos_sin_cache.shape[0], k_dest.shape[1]),
-        (*kv.stride(), *k_norm_weight.stride(), *eps.stride(), *cos_sin_cache.stride(), *positions.stride(),
-         *((0,) if cache_loc is None else cache_loc.stride()),
-         *((0,) if k_scale is None else k_scale.stride()), *((0,) if v_scale is None else v_scale.stride()),
+        (*kv.stride(), *_strides(k_norm_weight, 2), *_strides(eps, 1), *cos_sin_cache.stride(), *positions.stride(),
+         *_strides(cache_loc, 1), *_strides(k_scale, 1), *_strides(v_scale, 1), *_strides(v_multiplier, 1),
          *k_dest.stride(), *v_dest.stride()),
         constexprs, num_warps=num_warps, launch_pdl=dependent_launch, compiled=compiled,
     )
@@ -375,6 +418,7 @@ def launch(
     cache_loc: Optional[torch.Tensor] = None,
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
+    v_multiplier: Optional[torch.Tensor] = None,
     block_tokens: Optional[int] = None,
     block_heads: Optional[int] = None,
     num_warps: Optional[int] = None,
@@ -392,6 +436,6 @@ def launch(
     total_ctx, n_layers, _ = kv.shape
     if dependent_launch is None:
         dependent_launch = supports_dependent_launch(kv.device)
-    plan = tuned_plan(config, total_ctx, n_layers, cache_loc is not None, k_scale is not None, v_scale is not None,
-                      (block_tokens, block_heads, num_warps), dependent_launch)
-    _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, cache_loc, k_scale, v_scale)
+    plan = tuned_plan(config, total_ctx, n_layers, (block_tokens, block_heads, num_warps), dependent_launch)
+    _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, cache_loc, k_scale, v_scale,
+            v_multiplier)

@@ -112,10 +112,14 @@ class FusedKVMaterializer:
         weight = torch.cat([layer.kv_proj_weight for layer in layers])
         device = weight.device
         self.kv_proj_weight = weight
-        self.k_norm_weight = torch.stack(
-            [layer.k_norm_weight.to(device=device, dtype=torch.float32) for layer in layers])
-        self.eps = torch.tensor([float(layer.eps) for layer in layers], dtype=torch.float32,
-                                device=device)
+        self.k_norm_weight = self.eps = self.v_multiplier = None  # a draft without them
+        if self.config.normed:
+            self.k_norm_weight = torch.stack(
+                [layer.k_norm_weight.to(device=device, dtype=torch.float32) for layer in layers])
+            self.eps = torch.tensor([float(layer.eps) for layer in layers], dtype=torch.float32, device=device)
+        if self.config.v_multiplied:
+            self.v_multiplier = torch.tensor([float(layer.v_multiplier) for layer in layers], dtype=torch.float32,
+                                             device=device)
         if cos_sin_cache is None:
             cos_sin_cache = torch.from_numpy(layers[0].rope.cos_sin_cache())
         self.cos_sin_cache = cos_sin_cache.to(device)
@@ -169,9 +173,9 @@ class FusedKVMaterializer:
         """
         kv, gemm_out = self._workspace_view(ctx_hidden, max_position)
         op_args = (kv, self.k_norm_weight, self.eps, self.cos_sin_cache, positions)
-        prepared = prepare_call(*op_args, *self._op_static, k_out, v_out)
+        prepared = prepare_call(*op_args, *self._op_static, k_out, v_out, v_multiplier=self.v_multiplier)
         self._project_into(gemm_out, ctx_hidden)
-        return prepared.launch(*op_args, k_out, v_out, False)
+        return prepared.launch(*op_args, k_out, v_out, False, self.v_multiplier)
 
     def materialize_layers(
         self,
@@ -226,9 +230,9 @@ class FusedKVMaterializer:
         kv, gemm_out = self._workspace_view(ctx_hidden, max_position)
         op_args = (kv, self.k_norm_weight, self.eps, self.cos_sin_cache, positions,
                    cache_loc, stacked_k, stacked_v)
-        prepared = prepare_cache_call(*op_args, *self._op_static, k_scale, v_scale)
+        prepared = prepare_cache_call(*op_args, *self._op_static, k_scale, v_scale, v_multiplier=self.v_multiplier)
         self._project_into(gemm_out, ctx_hidden)
-        prepared.launch_into_cache(*op_args, k_scale, v_scale)
+        prepared.launch_into_cache(*op_args, k_scale, v_scale, self.v_multiplier)
         return k_cache, v_cache
 
     def _grow_workspace(self, numel: int) -> None:

@@ -64,12 +64,14 @@ class PreparedCall:
         self.tile = tile
 
     def launch(self, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
-               check_positions: bool) -> tuple[torch.Tensor, torch.Tensor]:
+               check_positions: bool, v_multiplier=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The op on the arguments :func:`prepare_call` accepted: ``(k_out, v_out)``,
         allocated here where None."""
         call = self.call
         if positions.device != kv.device:
             positions = positions.to(kv.device, non_blocking=True)
+        if v_multiplier is not None:
+            v_multiplier = v_multiplier.to(kv.device)
         if check_positions and call.total_ctx:
             _check_positions_in_range(positions, call.max_position)
         if k_out is None:
@@ -82,14 +84,14 @@ class PreparedCall:
             config = call.config
             torch.ops.fusedkv.write_fused_kv_norm_rope(
                 kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
-                config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style, *self.tile)
+                config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style, *self.tile, v_multiplier)
         else:
             _launch(self.plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, None, None, None,
-                    self.compiled)
+                    v_multiplier, self.compiled)
         return k_out, v_out
 
     def launch_into_cache(self, kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-                          k_scale, v_scale) -> tuple[torch.Tensor, torch.Tensor]:
+                          k_scale, v_scale, v_multiplier=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The op into a cache on the arguments :func:`prepare_cache_call` accepted."""
         call = self.call
         if call.total_ctx == 0 or call.n_layers == 0 or k_cache.shape[1] == 0:  # nothing to write
@@ -103,15 +105,17 @@ class PreparedCall:
             k_scale = k_scale.to(device)
         if v_scale is not None:
             v_scale = v_scale.to(device)
+        if v_multiplier is not None:
+            v_multiplier = v_multiplier.to(device)
         if self.plan is None:
             config = call.config
             torch.ops.fusedkv.write_fused_kv_norm_rope_into_cache(
                 kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
                 config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style, k_scale, v_scale,
-                *self.tile)
+                *self.tile, v_multiplier)
         else:
             _launch(self.plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_cache, v_cache, cache_loc,
-                    k_scale, v_scale, self.compiled)
+                    k_scale, v_scale, v_multiplier, self.compiled)
         return k_cache, v_cache
 
 
@@ -133,11 +137,11 @@ class RefusedCall:
         self.message = str(error)
 
     def launch(self, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
-               check_positions: bool) -> tuple[torch.Tensor, torch.Tensor]:
+               check_positions: bool, v_multiplier=None) -> tuple[torch.Tensor, torch.Tensor]:
         return self._refuse(k_out, v_out)
 
     def launch_into_cache(self, kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-                          k_scale, v_scale) -> tuple[torch.Tensor, torch.Tensor]:
+                          k_scale, v_scale, v_multiplier=None) -> tuple[torch.Tensor, torch.Tensor]:
         return self._refuse(k_cache, v_cache)
 
     def _refuse(self, *buffers) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,8 +173,7 @@ def _has_no_memory(tensor: torch.Tensor) -> bool:
     return tensor.is_meta or isinstance(tensor, FakeTensor)
 
 
-def _prepared(accepted: AcceptedCall, kv: torch.Tensor, slotted: bool, k_quantized: bool, v_quantized: bool,
-              tile: tuple = _NO_TILE) -> PreparedCall:
+def _prepared(accepted: AcceptedCall, kv: torch.Tensor, tile: tuple = _NO_TILE) -> PreparedCall:
     """The launch plan of an accepted call, made once per call signature; with a tile
     override (checked here, before anything is written), made for the call alone. A kv
     without memory (its own signatures: they name kv's type and device) gets no plan, so
@@ -181,8 +184,7 @@ def _prepared(accepted: AcceptedCall, kv: torch.Tensor, slotted: bool, k_quantiz
         if device.type != "meta":  # a call on meta tensors runs nowhere
             _check_runnable(device)
         call = accepted.shape
-        plan = tuned_plan(call.config, call.total_ctx, call.n_layers, slotted, k_quantized, v_quantized, tile,
-                          supports_dependent_launch(device))
+        plan = tuned_plan(call.config, call.total_ctx, call.n_layers, tile, supports_dependent_launch(device))
         if _has_no_memory(kv):  # planned all the same: planning checks the tile override
             plan = None
         if tile is not _NO_TILE:
@@ -221,19 +223,17 @@ _ARRAY_NAMES = ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions")
 
 
 def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
-                 rope_style, k_out, v_out, tile: tuple = _NO_TILE) -> PreparedCall | RefusedCall:
+                 rope_style, k_out, v_out, tile: tuple = _NO_TILE, v_multiplier=None) -> PreparedCall | RefusedCall:
     """A :func:`fused_kv_norm_rope` call validated, ready for :meth:`PreparedCall.launch`."""
+    static = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
+                  v_multiplier=v_multiplier)
     if torch.compiler.is_compiling():
-        return _traced(accept_call, (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out),
-                       dict(num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-                            rope_style=rope_style), tile)
+        return _traced(accept_call, (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out), static, tile)
     if _functorch.maybe_current_level() is not None:  # inside vmap, grad...
-        _check_untransformed("fused_kv_norm_rope", _ARRAY_NAMES + ("k_out", "v_out"),
-                             (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out))
-    accepted = accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
-                           num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-                           rope_style=rope_style, takes="torch")
-    prepared = _prepared(accepted, kv, False, False, False, tile)
+        _check_untransformed("fused_kv_norm_rope", _ARRAY_NAMES + ("k_out", "v_out", "v_multiplier"),
+                             (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, v_multiplier))
+    accepted = accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, **static, takes="torch")
+    prepared = _prepared(accepted, kv, tile)
     if prepared.plan is not None:  # a kv without memory has no addresses to check
         check_output_buffers(kv, (("k_out", k_out), ("v_out", v_out)))
     return prepared
@@ -241,24 +241,20 @@ def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads,
 
 def prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
                        num_kv_heads, head_dim, rotary_dim, rope_style, k_scale,
-                       v_scale, tile: tuple = _NO_TILE) -> PreparedCall | RefusedCall:
+                       v_scale, tile: tuple = _NO_TILE, v_multiplier=None) -> PreparedCall | RefusedCall:
     """A :func:`fused_kv_norm_rope_into_cache` call validated, ready for
     :meth:`PreparedCall.launch_into_cache`."""
+    arrays = (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale, v_scale)
+    static = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
+                  v_multiplier=v_multiplier)
     if torch.compiler.is_compiling():
-        return _traced(accept_cache_call,
-                       (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale,
-                        v_scale),
-                       dict(num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-                            rope_style=rope_style), tile)
+        return _traced(accept_cache_call, arrays, static, tile)
     if _functorch.maybe_current_level() is not None:
         _check_untransformed("fused_kv_norm_rope_into_cache",
-                             _ARRAY_NAMES + ("cache_loc", "k_cache", "v_cache", "k_scale", "v_scale"),
-                             (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-                              k_scale, v_scale))
-    accepted = accept_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-                                 k_scale, v_scale, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                 rotary_dim=rotary_dim, rope_style=rope_style, takes="torch")
-    prepared = _prepared(accepted, kv, True, k_scale is not None, v_scale is not None, tile)
+                             _ARRAY_NAMES + ("cache_loc", "k_cache", "v_cache", "k_scale", "v_scale", "v_multiplier"),
+                             arrays + (v_multiplier,))
+    accepted = accept_cache_call(*arrays, **static, takes="torch")
+    prepared = _prepared(accepted, kv, tile)
     if prepared.plan is not None:
         check_output_buffers(kv, (("k_cache", k_cache), ("v_cache", v_cache)))
     return prepared
@@ -278,22 +274,23 @@ def _check_positions_in_range(positions: torch.Tensor, max_position: int) -> Non
 # may not return an alias of an input, so they write into the given buffers and return nothing.
 @torch.library.custom_op("fusedkv::write_fused_kv_norm_rope", mutates_args=("k_out", "v_out"))
 def _write_fused_kv_norm_rope(
-    kv: torch.Tensor, k_norm_weight: torch.Tensor, eps: torch.Tensor, cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
+    kv: torch.Tensor, k_norm_weight: Optional[torch.Tensor], eps: Optional[torch.Tensor],
+    cos_sin_cache: torch.Tensor, positions: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
     num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str,
     block_tokens: Optional[int] = None, block_heads: Optional[int] = None, num_warps: Optional[int] = None,
+    v_multiplier: Optional[torch.Tensor] = None,
 ) -> None:
     # Traced calls are validated while tracing, when addresses are not known yet: here they are.
     check_output_buffers(kv, (("k_out", k_out), ("v_out", v_out)))
     launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
-           config=FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style),
+           config=FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style), v_multiplier=v_multiplier,
            block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps)
 
 
 @_write_fused_kv_norm_rope.register_fake
 def _write_fused_kv_norm_rope_fake(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
                                    num_kv_heads, head_dim, rotary_dim, rope_style, block_tokens=None,
-                                   block_heads=None, num_warps=None):
+                                   block_heads=None, num_warps=None, v_multiplier=None):
     return None
 
 
@@ -316,8 +313,8 @@ def _refuse_fake(written, error, message):
 
 def fused_kv_norm_rope(
     kv: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    eps: torch.Tensor,
+    k_norm_weight: Optional[torch.Tensor],
+    eps: Optional[torch.Tensor],
     cos_sin_cache: torch.Tensor,
     positions: torch.Tensor,
     *,
@@ -325,6 +322,7 @@ def fused_kv_norm_rope(
     head_dim: int,
     rotary_dim: int,
     rope_style: str = "neox",
+    v_multiplier: Optional[torch.Tensor] = None,
     k_out: Optional[torch.Tensor] = None,
     v_out: Optional[torch.Tensor] = None,
     check_positions: bool = False,
@@ -340,11 +338,14 @@ def fused_kv_norm_rope(
     Args:
       kv: bf16/fp16/fp32[total_ctx, n_layers, 2*kv_size], per token and layer all K heads
         then all V heads; any strides (a slice of a GEMM workspace is read in place).
-      k_norm_weight: float[n_layers, head_dim].
-      eps: fp32[n_layers].
+      k_norm_weight: float[n_layers, head_dim], or None for a draft without a K-norm (K is
+        then RoPE of the projected K, rounded once).
+      eps: fp32[n_layers]; None exactly when ``k_norm_weight`` is.
       cos_sin_cache: fp32[max_pos, rotary_dim], row p = rotary_dim/2 cos values then sin values.
       positions: int32/int64[total_ctx], any device (moved to kv's). A position outside
         [0, max_pos) gives an all-NaN K row, unless ``check_positions`` raises for it.
+      v_multiplier: optional fp32[n_layers]: V is ``v * v_multiplier[l]`` in fp32, rounded
+        once (a model's per-layer value scale); None copies V bit for bit.
       k_out, v_out: optional dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim], any
         strides but zero (views into a bigger cache), written in place; sharing memory
         with each other or with ``kv`` is refused.
@@ -360,32 +361,33 @@ def fused_kv_norm_rope(
     """
     return prepare_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, rope_style,
-        k_out, v_out, _tile(block_tokens, block_heads, num_warps),
-    ).launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, check_positions)
+        k_out, v_out, _tile(block_tokens, block_heads, num_warps), v_multiplier,
+    ).launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, check_positions, v_multiplier)
 
 
 def fused_kv_norm_rope_accepted(accepted: AcceptedCall, kv, k_norm_weight, eps, cos_sin_cache, positions, *,
-                                 k_out=None, v_out=None) -> tuple[torch.Tensor, torch.Tensor]:
+                                 v_multiplier=None, k_out=None, v_out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`fused_kv_norm_rope` on torch tensors made from arrays that ``interop`` validated
     as ``accepted`` (``interop.core.spec.accept_call``, then ``check_output_buffers``): those
     checks are not run again. Not for other callers: the public function checks everything."""
-    return _prepared(accepted, kv, False, False, False).launch(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, False)
+    return _prepared(accepted, kv).launch(
+        kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, False, v_multiplier)
 
 
 @torch.library.custom_op("fusedkv::write_fused_kv_norm_rope_into_cache",
                          mutates_args=("k_cache", "v_cache"))
 def _write_fused_kv_norm_rope_into_cache(
-    kv: torch.Tensor, k_norm_weight: torch.Tensor, eps: torch.Tensor, cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor, cache_loc: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str,
+    kv: torch.Tensor, k_norm_weight: Optional[torch.Tensor], eps: Optional[torch.Tensor],
+    cos_sin_cache: torch.Tensor, positions: torch.Tensor, cache_loc: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str,
     k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
     block_tokens: Optional[int] = None, block_heads: Optional[int] = None, num_warps: Optional[int] = None,
+    v_multiplier: Optional[torch.Tensor] = None,
 ) -> None:
     check_output_buffers(kv, (("k_cache", k_cache), ("v_cache", v_cache)))
     launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_cache, v_cache,
            config=FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style),
-           cache_loc=cache_loc, k_scale=k_scale, v_scale=v_scale,
+           cache_loc=cache_loc, k_scale=k_scale, v_scale=v_scale, v_multiplier=v_multiplier,
            block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps)
 
 
@@ -393,14 +395,14 @@ def _write_fused_kv_norm_rope_into_cache(
 def _write_fused_kv_norm_rope_into_cache_fake(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc,
                                               k_cache, v_cache, num_kv_heads, head_dim, rotary_dim,
                                               rope_style, k_scale, v_scale, block_tokens=None, block_heads=None,
-                                              num_warps=None):
+                                              num_warps=None, v_multiplier=None):
     return None
 
 
 def fused_kv_norm_rope_into_cache(
     kv: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    eps: torch.Tensor,
+    k_norm_weight: Optional[torch.Tensor],
+    eps: Optional[torch.Tensor],
     cos_sin_cache: torch.Tensor,
     positions: torch.Tensor,
     cache_loc: torch.Tensor,
@@ -413,6 +415,7 @@ def fused_kv_norm_rope_into_cache(
     rope_style: str = "neox",
     k_scale: Optional[torch.Tensor] = None,
     v_scale: Optional[torch.Tensor] = None,
+    v_multiplier: Optional[torch.Tensor] = None,
     block_tokens: Optional[int] = None,
     block_heads: Optional[int] = None,
     num_warps: Optional[int] = None,
@@ -430,12 +433,13 @@ def fused_kv_norm_rope_into_cache(
         or with ``kv`` is refused.
       k_scale, v_scale: fp32[n_layers], only for a float8_e4m3fn cache, which then holds
         ``value / scale`` saturated to +-448, rounded once from fp32.
+      v_multiplier: as for :func:`fused_kv_norm_rope`; an fp8 V cache holds ``(v * v_multiplier[l]) / v_scale[l]``.
 
     Returns:
       ``(k_cache, v_cache)``.
     """
     return prepare_cache_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, num_kv_heads, head_dim,
-        rotary_dim, rope_style, k_scale, v_scale, _tile(block_tokens, block_heads, num_warps),
+        rotary_dim, rope_style, k_scale, v_scale, _tile(block_tokens, block_heads, num_warps), v_multiplier,
     ).launch_into_cache(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale,
-                        v_scale)
+                        v_scale, v_multiplier)

@@ -62,6 +62,7 @@ def fused_kv_norm_rope(
     head_dim: int,
     rotary_dim: int,
     rope_style: str = "neox",
+    v_multiplier=None,
     k_out=None,
     v_out=None,
     backend: str = "auto",
@@ -73,10 +74,11 @@ def fused_kv_norm_rope(
 
     Args:
       kv: bf16/fp16/fp32[total_ctx, n_layers, 2*kv_size], any object with ``__dlpack__``.
-      k_norm_weight: float[n_layers, head_dim].
-      eps: fp32[n_layers].
+      k_norm_weight: float[n_layers, head_dim], or None (no K-norm).
+      eps: fp32[n_layers]; None exactly when ``k_norm_weight`` is.
       cos_sin_cache: fp32[max_pos, rotary_dim].
       positions: int32/int64[total_ctx].
+      v_multiplier: optional fp32[n_layers]: V is ``v * v_multiplier[l]``, rounded once.
       k_out, v_out: optional dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim]
         (see the module docstring for when they are written in place).
       backend: ``"torch"``, ``"jax"`` or ``"auto"``.
@@ -87,23 +89,24 @@ def fused_kv_norm_rope(
     outputs = (("k_out", k_out), ("v_out", v_out))
     accepted = accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
                            num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-                           rope_style=rope_style, takes="any")
+                           rope_style=rope_style, v_multiplier=v_multiplier, takes="any")
     check_output_buffers(kv, outputs)
     # The route depends on the arrays' types only, which the accepted call's signature holds.
     route = accepted.prepared.get(("interop", backend)) if isinstance(backend, str) else None
     if route is None:  # the route raises for a backend that is not one
-        route = _Route(backend, (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out))
+        route = _Route(backend, (kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, k_out, v_out))
         accepted.prepared[("interop", backend)] = route
-    arrays = (kv, k_norm_weight, eps, cos_sin_cache, positions)
+    arrays = (kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier)
     in_place = {name: out for name, out in outputs if name in route.in_place}
     # Validated above on the caller's arrays, whose shapes, dtypes and devices crossing keeps.
     if not route.crosses:
         # Everything is the backend's already: nothing crosses either way, and its results
         # (the outputs given, written in place, or new arrays) are the caller's.
-        return tuple(route.module.fused_kv_norm_rope_accepted(accepted, *arrays, **in_place))
+        return tuple(route.module.fused_kv_norm_rope_accepted(accepted, *arrays[:5], v_multiplier=arrays[5],
+                                                              **in_place))
     inputs = cross(arrays, route.backend, one_launch=True)  # read by the backend's launch alone
     in_place = {name: to_framework(out, route.backend) for name, out in in_place.items()}
-    results = route.module.fused_kv_norm_rope_accepted(accepted, *inputs, **in_place)
+    results = route.module.fused_kv_norm_rope_accepted(accepted, *inputs[:5], v_multiplier=inputs[5], **in_place)
     return _deliver((k_out, v_out), results, route.caller, route.backend)
 
 

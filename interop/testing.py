@@ -16,7 +16,8 @@ import dataclasses
 import numpy as np
 
 from interop.core.arrays import as_numpy, numpy_dtype
-from interop.core.materializer import LayerKV, RopeConfig, materializer_reference, stacked_op_arrays, validate_layers
+from interop.core.materializer import (LayerKV, RopeConfig, materializer_reference, stacked_op_arrays,
+                                      stacked_v_multiplier, validate_layers)
 from interop.core.reference import (fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference,
                                     rope_cos_sin_cache)
 from interop.core.spec import FusedKVConfig, dtype_name
@@ -334,7 +335,7 @@ class MaterializerCase:
         arrays and positions; given ``cache_loc``, ``k_cache``, ``v_cache`` (and scales), the
         reference of the op written into those caches."""
         arrays = (kv, *stacked_op_arrays(self.layers), self.positions)
-        static = validate_layers(self.layers).op_kwargs()
+        static = dict(validate_layers(self.layers).op_kwargs(), v_multiplier=stacked_v_multiplier(self.layers))
         if not cache:
             return fused_kv_norm_rope_reference(*arrays, **static)
         return fused_kv_norm_rope_into_cache_reference(*arrays, **cache, **static)
@@ -354,8 +355,12 @@ def random_case(
     dtype: str = "bfloat16",
     position_dtype: str = "int32",
     seed: int = 0,
+    k_norm: bool = True,
+    v_multiplier: bool = False,
 ) -> MaterializerCase:
-    """Fresh random layers and hidden states; k_norm weights, eps and positions as the op's.
+    """Fresh random layers and hidden states; k_norm weights, eps and positions as the op's
+    (no K-norm where ``k_norm`` is False; ``v_multiplier``: a random value scale per layer,
+    of the size real drafts use).
 
     Projection weights are gaussian with variance 1/hidden so that kv, like the op's
     random inputs, is of order one.
@@ -366,9 +371,11 @@ def random_case(
     weights = rng.standard_normal((n_layers, 2 * op.kv_size, hidden), dtype=np.float32)
     weights /= np.sqrt(hidden)
     rope = RopeConfig(op.rotary_dim, max_position, style=op.rope_style)
+    multipliers = rng.uniform(0.6, 0.72, size=n_layers) if v_multiplier else [None] * n_layers
     layers = tuple(
-        LayerKV(weights[index].astype(numpy_dtype(dtype)), op_inputs.k_norm_weight[index],
-                float(op_inputs.eps[index]), op.num_kv_heads, op.head_dim, rope)
+        LayerKV(weights[index].astype(numpy_dtype(dtype)), op_inputs.k_norm_weight[index] if k_norm else None,
+                float(op_inputs.eps[index]) if k_norm else None, op.num_kv_heads, op.head_dim, rope,
+                None if multipliers[index] is None else float(multipliers[index]))
         for index in range(n_layers)
     )
     ctx_hidden = rng.standard_normal((total_ctx, hidden), dtype=np.float32).astype(numpy_dtype(dtype))

@@ -12,12 +12,13 @@ per-layer lists) stays in its own file.
 """
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
 
 from backends import host
-from cases import FP8
+from cases import FP8, poisoned
 from interop.core.arrays import numpy_dtype
 from interop.core.materializer import stacked_op_arrays
 from interop.testing import random_case
@@ -64,11 +65,11 @@ class Setup:
 
 
 def setup(backend, op=OP, *, n_layers=3, hidden=64, total_ctx=8, position_dtype="int32", positions_on_host=False,
-          seed=0, dtype="bfloat16", **materializer_options) -> Setup:
+          seed=0, dtype="bfloat16", k_norm=True, v_multiplier=False, **materializer_options) -> Setup:
     case = random_case(op, n_layers=n_layers, hidden=hidden, total_ctx=total_ctx, max_position=256,
-                       dtype=dtype, position_dtype=position_dtype, seed=seed)
+                       dtype=dtype, position_dtype=position_dtype, seed=seed, k_norm=k_norm, v_multiplier=v_multiplier)
     layers = [dataclasses.replace(layer, kv_proj_weight=backend.put(layer.kv_proj_weight),
-                                  k_norm_weight=backend.put(layer.k_norm_weight))
+                                  k_norm_weight=None if layer.k_norm_weight is None else backend.put(layer.k_norm_weight))
               for layer in case.layers]
     return Setup(backend, case, backend.kernel.FusedKVMaterializer(layers, **materializer_options),
                  backend.put(case.ctx_hidden), backend.put_small(case.positions, positions_on_host))
@@ -102,6 +103,35 @@ class TestMaterializer:
         assert k.shape == v.shape == (n_layers, total_ctx, op.num_kv_heads, op.head_dim)
         assert_close(k, k_expected)
         assert_bit_exact(v, v_expected)
+
+    @pytest.mark.parametrize("k_norm, v_multiplier", [(False, False), (False, True), (True, True)],
+                             ids=["no-k-norm", "no-k-norm-v-multiplier", "v-multiplier"])
+    def test_drafts_without_a_k_norm_or_with_a_value_scale_match_the_reference(self, backend, k_norm, v_multiplier):
+        s = setup(backend, seed=4, k_norm=k_norm, v_multiplier=v_multiplier)
+        kv = s.kv()
+        k, v = s.materializer.materialize(s.ctx_hidden, s.positions)
+        k_expected, v_expected = s.case.op_reference(kv)
+        assert_close(k, k_expected)
+        if backend.triton_interpreter and v_multiplier:  # it rounds to bf16 by truncation (README)
+            assert_close(v, v_expected, name="v")
+        else:
+            assert_bit_exact(v, v_expected)
+        k_cache, v_cache = s.into_cache(backend.put(np.arange(8)[::-1].copy()), poisoned((3, 9, 2, 32), "bfloat16", seed=4),
+                                        poisoned((3, 9, 2, 32), "bfloat16", seed=5))
+        assert_close(k_cache[:, 7::-1], k_expected, name="k_cache")
+        assert_close(v_cache[:, 7::-1], v_expected, name="v_cache")
+
+    def test_layers_that_disagree_on_the_k_norm_or_the_value_scale_are_refused_naming_the_layer(self, backend):
+        for field, message in (
+                ("k_norm_weight", "K-norm got none, expected a k_norm_weight as in layer 0."),
+                ("v_multiplier", "v_multiplier got a v_multiplier, expected none as in layer 0.")):
+            case = random_case(OP, n_layers=3, hidden=64, total_ctx=0)
+            layers = [dataclasses.replace(layer, kv_proj_weight=backend.put(layer.kv_proj_weight),
+                                          k_norm_weight=backend.put(layer.k_norm_weight)) for layer in case.layers]
+            change = dict(k_norm_weight=None, eps=None) if field == "k_norm_weight" else dict(v_multiplier=0.7)
+            layers[2] = dataclasses.replace(layers[2], **change)
+            with pytest.raises(ValueError, match=re.escape(f"Invalid fused KV materializer layer 2: {message}")):
+                backend.kernel.FusedKVMaterializer(layers)
 
     def test_end_to_end_matches_the_fp32_numpy_path(self, backend):
         s = setup(backend, seed=3)

@@ -200,6 +200,41 @@ class TestOp:
                                                  k_out=backend.put(empty), v_out=backend.put(empty.copy()))
         assert host(k).shape == host(v).shape == (0, 3, 2, 16)
 
+    @pytest.mark.parametrize("style, rotary_dim", [("neox", 64), ("gptj", 32), ("neox", 24)])
+    def test_a_draft_without_a_k_norm_gets_rope_of_the_projected_k(self, backend, style, rotary_dim):
+        config = FusedKVConfig(2, 64, rotary_dim, style)
+        inputs = random_inputs(config, n_layers=2, total_ctx=5, max_position=64, seed=31)
+        arrays = (inputs.kv, None, None, inputs.cos_sin_cache, inputs.positions)
+        k, v = backend.kernel.fused_kv_norm_rope(*(None if a is None else backend.put(a) for a in arrays),
+                                                 **static(config))
+        expected_k, expected_v = fused_kv_norm_rope_reference(*arrays, **static(config))
+        assert_close(k, expected_k)
+        assert_bit_exact(v, expected_v)
+        # Position 0 rotates by cos 1 and sin 0: K comes back as projected, bit for bit.
+        at_zero = (inputs.kv, None, None, inputs.cos_sin_cache, np.zeros_like(inputs.positions))
+        k, _ = backend.kernel.fused_kv_norm_rope(*(None if a is None else backend.put(a) for a in at_zero),
+                                                 **static(config))
+        projected_k = inputs.kv[:, :, :config.kv_size].reshape(5, 2, 2, 64).transpose(1, 0, 2, 3)
+        assert_bit_exact(k, np.ascontiguousarray(projected_k), name="k")
+
+    @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+    def test_v_multiplier_scales_v_in_fp32_rounded_once(self, backend, dtype):
+        config = FusedKVConfig(2, 64, 32)
+        inputs = random_inputs(config, n_layers=3, total_ctx=4, max_position=64, dtype=dtype, seed=32)
+        multiplier = np.array([0.61, 2.0, 0.7071], np.float32)
+        arrays = inputs.arrays()
+        k, v = backend.kernel.fused_kv_norm_rope(*(backend.put(a) for a in arrays), **static(config),
+                                                 v_multiplier=backend.put(multiplier))
+        expected_k, expected_v = fused_kv_norm_rope_reference(*arrays, **static(config), v_multiplier=multiplier)
+        assert_close(k, expected_k)
+        if backend.triton_interpreter and dtype == "bfloat16":  # it rounds to bf16 by truncation (README)
+            assert_close(v, expected_v, name="v")
+        else:
+            assert_bit_exact(v, expected_v)
+        # A power of two scales exactly: layer 1's V is twice its input, bit for bit.
+        doubled = (2 * inputs.kv[:, 1, config.kv_size:].astype(np.float32)).astype(inputs.kv.dtype)
+        assert_bit_exact(host(v)[1], doubled.reshape(4, 2, 64), name="v")
+
     # Edge values (README, "Edge values"): each against the reference and the rule itself.
 
     @ieee_edge
@@ -420,6 +455,24 @@ class TestCacheOp:
         exact = Tolerance(ulps=0, atol=0.0, reason="the one correctly rounded quotient, rounded once")
         assert_close(got, expected, name="v", tolerance=exact, triton_interpreter=backend.triton_interpreter)
 
+    def test_caches_of_a_draft_without_k_norm_and_with_a_v_multiplier_hold_the_reference(self, backend):
+        config = FusedKVConfig(2, 32, 16, "gptj")
+        inputs = random_inputs(config, n_layers=2, total_ctx=5, max_position=64, seed=33)
+        arrays = (inputs.kv, None, None, inputs.cos_sin_cache, inputs.positions)
+        slots, multiplier = np.array([3, -1, 0, 6, 2]), np.array([0.65, 0.7], np.float32)
+        for cache_dtype, scales in (("bfloat16", {}), (FP8, dict(zip(("k_scale", "v_scale"), cache_scales(2, 33))))):
+            before = poisoned((2, 7, 2, 32), cache_dtype, seed=33)
+            k_cache, v_cache = backend.put(before), backend.put(before.copy())
+            k, v = backend.kernel.fused_kv_norm_rope_into_cache(
+                *(None if a is None else backend.put(a) for a in arrays), backend.put(slots), k_cache, v_cache,
+                **static(config), v_multiplier=backend.put(multiplier),
+                **{name: backend.put(scale) for name, scale in scales.items()})
+            expected_k, expected_v = fused_kv_norm_rope_into_cache_reference(
+                *arrays, slots, before, before, **static(config), v_multiplier=multiplier, **scales)
+            interpreted = backend.triton_interpreter
+            assert_close(host(k), expected_k, name="k_cache", triton_interpreter=interpreted and bool(scales))
+            assert_close(host(v), expected_v, name="v_cache", triton_interpreter=interpreted and bool(scales))
+
     @ieee_edge
     def test_fp8_scale_outside_its_range_writes_nan_for_that_layer_only(self, backend):
         scales = np.array([1e-40, 0.0, -0.5, np.inf, np.nan, FP8_SCALE_MAX * 2, FP8_SCALE_MIN / 2, 0.0371],
@@ -513,6 +566,19 @@ BAD_CALLS = {
         dict(positions=lambda a: np.array([5, -1, 2], a["positions"].dtype), check_positions=True),
         "Invalid positions for fused KV materialization: got values outside [0, 16) (min -1, max 5), "
         "expected every position in [0, 16)."),
+    "eps_without_k_norm_weight": (dict(k_norm_weight=lambda a: None),
+                                  "Invalid eps for fused KV materialization: got an array without a "
+                                  "k_norm_weight, expected None (eps is the K-norm's epsilon; k_norm_weight=None "
+                                  "means no K-norm)."),
+    "k_norm_weight_without_eps": (dict(eps=lambda a: None),
+                                  "Invalid eps for fused KV materialization: got None with a k_norm_weight, "
+                                  "expected float32(2,)."),
+    "v_multiplier_shape": (dict(v_multiplier=lambda a: np.ones(3, np.float32)),
+                           "Invalid v_multiplier for fused KV materialization: got float32(3,), expected "
+                           "float32(2,) (a per-layer multiplier of V, or None)."),
+    "v_multiplier_dtype": (dict(v_multiplier=lambda a: np.ones(2, np.float16)),
+                           "Invalid v_multiplier for fused KV materialization: got float16(2,), expected "
+                           "float32(2,) (a per-layer multiplier of V, or None)."),
     "block_tokens_3": (dict(block_tokens=3),
                        "Invalid block_tokens for fused KV materialization: got 3, expected a power of two."),
 }
@@ -589,7 +655,7 @@ def changed(arguments: dict, change: dict) -> tuple[dict, dict]:
 
 
 def put_all(backend, arguments: dict) -> dict:
-    return {name: backend.put(array) for name, array in arguments.items()}
+    return {name: None if array is None else backend.put(array) for name, array in arguments.items()}
 
 
 class TestRefusals:

@@ -125,15 +125,15 @@ def test_direct_launch_key_splits_calls_wherever_triton_specializes_them():
     rng = np.random.default_rng(0)
     buffer = torch.zeros(4096, dtype=torch.bfloat16)
     values = [0, 1, 2, 8, 15, 16, 17, 32, 48, 1024, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32]
-    _, constexprs, _, _ = kernel_module._plan(REAL, 64, 5, True, True, True, None, None, None, False)
+    _, constexprs, _, _ = kernel_module._plan(REAL, 64, 5, None, None, None, False)
     specializations = {}
     for _ in range(400):
-        tensors = [None if rng.random() < 0.2 else buffer[int(rng.integers(0, 24)):] for _ in range(10)]
+        tensors = [None if rng.random() < 0.2 else buffer[int(rng.integers(0, 24)):] for _ in range(11)]
         plain_ints = [int(v) for v in rng.integers(1, 2**31, 3)]
-        ints = [values[i] for i in rng.integers(0, len(values), 20)]
+        ints = [values[i] for i in rng.integers(0, len(values), 21)]
         addresses = [None if tensor is None else tensor.data_ptr() for tensor in tensors]
         _, specialization, _ = binder(*tensors, *plain_ints, *ints, *constexprs, num_warps=4)
-        runtime = tuple(specialization[:33])
+        runtime = tuple(specialization[:35])
         key = specialization_key(addresses, ints)
         assert specializations.setdefault(key, runtime) == runtime
         assert [attribute for _, attribute in runtime] == expected_attributes(addresses, plain_ints, ints)

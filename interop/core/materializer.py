@@ -69,16 +69,19 @@ class LayerKV:
     """One draft layer's share of the fused path; arrays of the materializer's framework.
 
     kv_proj_weight: float[2*kv_size, hidden], the K rows then the V rows (a Linear's weight).
-    k_norm_weight: float[head_dim].
+    k_norm_weight: float[head_dim], or None for a draft without a K-norm (then ``eps`` is None).
     num_kv_heads, head_dim: positive ints, refused here, at construction, otherwise.
+    v_multiplier: a float scaling the layer's V (a config's ``attention_value_scale``), or
+      None to copy V bit for bit.
     """
 
     kv_proj_weight: Any
     k_norm_weight: Any
-    eps: float
+    eps: float | None
     num_kv_heads: int
     head_dim: int
     rope: RopeConfig
+    v_multiplier: float | None = None
 
     def __post_init__(self):
         for name in ("num_kv_heads", "head_dim"):
@@ -94,6 +97,8 @@ class MaterializerConfig:
     hidden: int
     weight_dtype: str
     max_position: int
+    normed: bool = True
+    v_multiplied: bool = False
 
     @property
     def kv_width(self) -> int:
@@ -180,34 +185,62 @@ def validate_layers(layers: Sequence[LayerKV], cos_sin_cache=None, *,
              (weight_rows, hidden), weight_shape),
             ("kv_proj_weight dtype", dtype_name(layer.kv_proj_weight.dtype), weight_dtype,
              weight_dtype),
-            ("k_norm_weight shape", tuple(int(d) for d in layer.k_norm_weight.shape),
-             (first.head_dim,), (first.head_dim,)),
+            ("K-norm", _has("a k_norm_weight", layer.k_norm_weight), _has("a k_norm_weight", first.k_norm_weight),
+             _has("a k_norm_weight", first.k_norm_weight)),
+            ("v_multiplier", _has("a v_multiplier", layer.v_multiplier), _has("a v_multiplier", first.v_multiplier),
+             _has("a v_multiplier", first.v_multiplier)),
         ):
             if got != expected:
                 raise _layer_error(index, what, got, f"{shown}{as_in_first}")
-        if not (isinstance(layer.eps, numbers.Real) and math.isfinite(layer.eps) and layer.eps >= 0):
-            raise _layer_error(index, "eps", repr(layer.eps), "a finite float >= 0")
+        _check_layer_values(index, layer, as_in_first)
 
     rope = first.rope
     n_layers = len(layers)
     op = FusedKVConfig(first.num_kv_heads, first.head_dim, rope.rotary_dim, rope.style)
     table = cos_sin_cache if cos_sin_cache is not None else _ShapeOf(
         (rope.max_position, rope.rotary_dim), "float32")
+    normed, v_multiplied = first.k_norm_weight is not None, first.v_multiplier is not None
+    per_layer = _ShapeOf((n_layers,), "float32")
     validate_call(
         _ShapeOf((0, n_layers, 2 * op.kv_size), weight_dtype),
-        _ShapeOf((n_layers, op.head_dim), "float32"),
-        _ShapeOf((n_layers,), "float32"),
+        _ShapeOf((n_layers, op.head_dim), "float32") if normed else None,
+        per_layer if normed else None,
         table,
         _ShapeOf((0,), "int32"),
         num_kv_heads=op.num_kv_heads, head_dim=op.head_dim, rotary_dim=op.rotary_dim,
-        rope_style=op.rope_style,
+        rope_style=op.rope_style, v_multiplier=per_layer if v_multiplied else None,
     )
     if int(table.shape[0]) != rope.max_position:
         raise ValueError(
             "Invalid cos_sin_cache for fused KV materialization: "
             f"got {int(table.shape[0])} rows, expected rope.max_position={rope.max_position}."
         )
-    return MaterializerConfig(op, n_layers, int(first_shape[1]), weight_dtype, rope.max_position)
+    return MaterializerConfig(op, n_layers, int(first_shape[1]), weight_dtype, rope.max_position, normed,
+                              v_multiplied)
+
+
+def _has(what: str, value) -> str:
+    return "none" if value is None else what
+
+
+def _finite_float(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_layer_values(index: int, layer: LayerKV, as_in_first: str) -> None:
+    """A layer's K-norm weight shape and eps (None exactly when it has no K-norm), and its
+    V multiplier (a finite float where given)."""
+    if layer.k_norm_weight is None:
+        if layer.eps is not None:
+            raise _layer_error(index, "eps", repr(layer.eps), "None for a layer without a k_norm_weight")
+    else:
+        shape = tuple(int(d) for d in layer.k_norm_weight.shape)
+        if shape != (layer.head_dim,):
+            raise _layer_error(index, "k_norm_weight shape", shape, f"{(layer.head_dim,)}{as_in_first}")
+        if not (_finite_float(layer.eps) and layer.eps >= 0):
+            raise _layer_error(index, "eps", repr(layer.eps), "a finite float >= 0")
+    if layer.v_multiplier is not None and not _finite_float(layer.v_multiplier):
+        raise _layer_error(index, "v_multiplier", repr(layer.v_multiplier), "a finite float, or None")
 
 
 def validate_materialize(ctx_hidden, config: MaterializerConfig, max_position: int | None, *,
@@ -298,10 +331,20 @@ def head_parallel_layers(layers: Sequence[LayerKV], rank: int, world_size: int) 
 
 def stacked_op_arrays(layers, cos_sin_cache=None):
     """The op's per-layer arguments in NumPy: fp32 ``k_norm_weight[n_layers, head_dim]``,
-    fp32 ``eps[n_layers]`` and the cos/sin table (``cos_sin_cache`` or the one built)."""
+    fp32 ``eps[n_layers]`` (both None without a K-norm) and the cos/sin table
+    (``cos_sin_cache`` or the one built)."""
     table = layers[0].rope.cos_sin_cache() if cos_sin_cache is None else as_numpy(cos_sin_cache)
+    if layers[0].k_norm_weight is None:
+        return None, None, table
     return (np.stack([as_numpy(layer.k_norm_weight).astype(np.float32) for layer in layers]),
             np.array([layer.eps for layer in layers], np.float32), table)
+
+
+def stacked_v_multiplier(layers) -> np.ndarray | None:
+    """fp32 ``v_multiplier[n_layers]`` of the layers, None where they copy V."""
+    if layers[0].v_multiplier is None:
+        return None
+    return np.array([layer.v_multiplier for layer in layers], np.float32)
 
 
 def projection_reference(layers, ctx_hidden) -> np.ndarray:
@@ -324,5 +367,6 @@ def materializer_reference(layers, ctx_hidden, positions, cos_sin_cache=None):
     config = validate_layers(layers, cos_sin_cache)
     dtype = numpy_dtype(config.weight_dtype)
     k, v = fused_kv_norm_rope_reference(
-        projection_reference(layers, ctx_hidden), *stacked_op_arrays(layers, cos_sin_cache), as_numpy(positions), **config.op_kwargs())
+        projection_reference(layers, ctx_hidden), *stacked_op_arrays(layers, cos_sin_cache), as_numpy(positions),
+        **config.op_kwargs(), v_multiplier=stacked_v_multiplier(layers))
     return k.astype(dtype), v.astype(dtype)

@@ -1,7 +1,11 @@
 """The one NumPy reference of the op; every test and benchmark compares against it.
 
 All arithmetic is fp32 (as the kernels do it) with a single rounding to the output
-dtype at the end; V is copied byte for byte.
+dtype at the end; V is copied byte for byte, unless a ``v_multiplier`` scales it (then
+``v * v_multiplier[l]`` in fp32, rounded once). A draft without a K-norm passes
+``k_norm_weight=None`` (and ``eps=None``): K is then the rotation of the projected K,
+and the two K-norm rules below (a non-finite sum of squares, no scale to normalize
+by) do not apply.
 
 Edge values, the same in the reference and both kernels (README, "Edge values"):
 
@@ -48,31 +52,39 @@ def fused_kv_norm_rope_reference(
     head_dim: int,
     rotary_dim: int,
     rope_style: str = "neox",
+    v_multiplier=None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """RMSNorm + RoPE on K, V passed through, for all layers.
 
     Args:
       kv: bf16/fp16/fp32[total_ctx, n_layers, 2*kv_size], per token and layer all K
         heads then all V heads; ``kv_size = num_kv_heads * head_dim``.
-      k_norm_weight: float[n_layers, head_dim].
-      eps: fp32[n_layers].
+      k_norm_weight: float[n_layers, head_dim], or None for a draft without a K-norm
+        (K is then RoPE of the projected K, not normalized).
+      eps: fp32[n_layers]; None exactly when ``k_norm_weight`` is.
       cos_sin_cache: fp32[max_pos, rotary_dim], row p = cos values then sin values.
       positions: int32/int64[total_ctx].
+      v_multiplier: fp32[n_layers] or None: V is ``v * v_multiplier[l]`` rounded once
+        (None: V is copied bit for bit).
 
     Returns:
       ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim].
     """
     # Host copies first: the reference reads arrays of any framework on any device.
-    kv, k_norm_weight, eps, cos_sin_cache, positions = (
-        as_numpy(a) for a in (kv, k_norm_weight, eps, cos_sin_cache, positions))
+    kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier = (
+        _host(a) for a in (kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier))
     call = validate_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-        rope_style=rope_style,
+        rope_style=rope_style, v_multiplier=v_multiplier,
     )
-    k, v = _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions)
+    k, v = _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier)
     with np.errstate(over="ignore"):  # beyond the dtype's range is +-Inf, by design
-        return k.astype(v.dtype), v
+        return k.astype(kv.dtype), v.astype(kv.dtype)
+
+
+def _host(array):
+    return None if array is None else as_numpy(array)
 
 
 def fused_kv_norm_rope_into_cache_reference(
@@ -91,6 +103,7 @@ def fused_kv_norm_rope_into_cache_reference(
     rope_style: str = "neox",
     k_scale=None,
     v_scale=None,
+    v_multiplier=None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The op written straight into a paged KV cache; returns updated copies of the caches.
 
@@ -103,21 +116,24 @@ def fused_kv_norm_rope_into_cache_reference(
         lies outside ``[FP8_SCALE_MIN, FP8_SCALE_MAX]`` gets NaN entries.
     """
     kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache = (
-        as_numpy(a) for a in (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc,
-                              k_cache, v_cache))
-    k_scale, v_scale = (None if s is None else as_numpy(s) for s in (k_scale, v_scale))
+        _host(a) for a in (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc,
+                           k_cache, v_cache))
+    k_scale, v_scale, v_multiplier = (_host(a) for a in (k_scale, v_scale, v_multiplier))
     # The caches are read, never written (the results are copies): one array may be both.
     call = validate_cache_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-        rope_style=rope_style, k_scale=k_scale, v_scale=v_scale, check_buffers=False,
+        rope_style=rope_style, k_scale=k_scale, v_scale=v_scale, v_multiplier=v_multiplier,
+        check_buffers=False,
     )
-    k, v = _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions)
+    k, v = _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier)
     k_cache, v_cache = k_cache.copy(), v_cache.copy()
     slots = cache_loc.astype(np.int64)
     written = (slots >= 0) & (slots < k_cache.shape[1])
-    for cache, values, scale in ((k_cache, k, k_scale), (v_cache, v.astype(np.float32), v_scale)):
+    # V rounds once into its cache: from the fp32 product where multiplied, else from itself.
+    for cache, values, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
         if scale is not None:
+            values = values.astype(np.float32)
             layer_scale = scale.astype(np.float32)[:, None, None, None]
             # np.clip keeps NaN; +-Inf saturate like every other quotient beyond the range.
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -145,8 +161,9 @@ def fp8_scale_ok(scale):
 SMALLEST_NORMAL_FP32 = 2.0 ** -126
 
 
-def _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions):
-    """fp32 K[n_layers, total_ctx, heads, head_dim] before its one rounding, and V as given."""
+def _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier):
+    """fp32 K[n_layers, total_ctx, heads, head_dim] before its one rounding, and V: as given,
+    or its fp32 product with ``v_multiplier`` before its one rounding."""
     config = call.config
     total_ctx, n_layers = call.total_ctx, call.n_layers
     heads, dim, rotary_dim = config.num_kv_heads, config.head_dim, config.rotary_dim
@@ -154,13 +171,7 @@ def _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions):
 
     k = kv[:, :, :config.kv_size].astype(np.float32).reshape(total_ctx, n_layers, heads, dim)
     # Overflow, NaN and Inf are values here (the module docstring's edge values), not errors.
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
-        mean_square = np.mean(k * k, axis=-1, keepdims=True, dtype=np.float32)
-        mean_square_eps = mean_square + eps.astype(np.float32)[None, :, None, None]
-        inv_rms = np.where(mean_square_eps < SMALLEST_NORMAL_FP32, np.float32(0.0),
-                           np.float32(1.0) / np.sqrt(mean_square_eps))
-        inv_rms = np.where(np.isfinite(mean_square), inv_rms, np.float32(np.nan))
-        normed = k * inv_rms * k_norm_weight.astype(np.float32)[None, :, None, :]
+    normed = k if k_norm_weight is None else _normalized(k, k_norm_weight, eps)
 
     pos = positions.astype(np.int64)
     in_range = (pos >= 0) & (pos < call.max_position)
@@ -178,8 +189,23 @@ def _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions):
     k_result[~in_range] = np.nan
 
     v = kv[:, :, config.kv_size:].reshape(total_ctx, n_layers, heads, dim)
+    if v_multiplier is not None:
+        with np.errstate(over="ignore", invalid="ignore"):
+            v = v.astype(np.float32) * v_multiplier.astype(np.float32)[None, :, None, None]
     return (np.ascontiguousarray(k_result.transpose(1, 0, 2, 3)),
             np.ascontiguousarray(v.transpose(1, 0, 2, 3)))
+
+
+def _normalized(k, k_norm_weight, eps):
+    """fp32 ``k * rsqrt(mean(k*k) + eps) * k_norm_weight`` with the module docstring's edge values."""
+    # Overflow, NaN and Inf are values here (the module docstring's edge values), not errors.
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
+        mean_square = np.mean(k * k, axis=-1, keepdims=True, dtype=np.float32)
+        mean_square_eps = mean_square + eps.astype(np.float32)[None, :, None, None]
+        inv_rms = np.where(mean_square_eps < SMALLEST_NORMAL_FP32, np.float32(0.0),
+                           np.float32(1.0) / np.sqrt(mean_square_eps))
+        inv_rms = np.where(np.isfinite(mean_square), inv_rms, np.float32(np.nan))
+        return k * inv_rms * k_norm_weight.astype(np.float32)[None, :, None, :]
 
 
 def rope_cos_sin_cache(max_position: int, rotary_dim: int, base: float = 10000.0) -> np.ndarray:

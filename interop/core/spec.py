@@ -235,6 +235,7 @@ def validate_call(
     head_dim: int,
     rotary_dim: int,
     rope_style: str = "neox",
+    v_multiplier=None,
     k_out=None,
     v_out=None,
     check_buffers: bool = True,
@@ -243,7 +244,8 @@ def validate_call(
 
     Order (users grep for these messages): the sizes (``num_kv_heads`` and
     ``head_dim`` positive ints, ``rotary_dim`` an int), then kv rank, kv trailing
-    dim, rotary/head dim pair, k_norm_weight shape, eps shape, then the checks the
+    dim, rotary/head dim pair, k_norm_weight shape, eps shape (both None for a draft
+    without a K-norm), v_multiplier, then the checks the
     seeds do not cover (rope style, dtypes, cos/sin cache, positions), then k_out
     and v_out: shape, device/dtype, then (``check_buffers``) their memory, by
     :func:`check_output_buffers`. Every check runs even when ``total_ctx == 0`` so a
@@ -272,16 +274,8 @@ def validate_call(
             "Invalid fused KV rotary/head dim pair: "
             f"rotary_dim={config.rotary_dim}, head_dim={config.head_dim}."
         )
-    if _shape(k_norm_weight) != (n_layers, config.head_dim):
-        raise ValueError(
-            "Invalid stacked k_norm_weight shape for fused KV materialization: "
-            f"got {_shape(k_norm_weight)}, expected {(n_layers, config.head_dim)}."
-        )
-    if _shape(eps) != (n_layers,):
-        raise ValueError(
-            "Invalid stacked eps shape for fused KV materialization: "
-            f"got {_shape(eps)}, expected {(n_layers,)}."
-        )
+    _check_norm(k_norm_weight, eps, n_layers, config.head_dim)
+    _check_per_layer("v_multiplier", v_multiplier, n_layers, "a per-layer multiplier of V, or None")
     _check_supported(kv, k_norm_weight, eps, cos_sin_cache, positions, config, total_ctx)
     expected_out_shape = config.output_shape(n_layers, total_ctx)
     outputs = (("k_out", k_out), ("v_out", v_out))
@@ -304,6 +298,43 @@ def check_positions_in_range(low: int, high: int, max_position: int) -> None:
         )
 
 
+def _check_norm(k_norm_weight, eps, n_layers, head_dim):
+    """The K-norm's arguments: both arrays of the stacked shapes, or both None (no K-norm)."""
+    if k_norm_weight is None:
+        if eps is not None:
+            raise ValueError(
+                "Invalid eps for fused KV materialization: got an array without a k_norm_weight, "
+                "expected None (eps is the K-norm's epsilon; k_norm_weight=None means no K-norm)."
+            )
+        return
+    if _shape(k_norm_weight) != (n_layers, head_dim):
+        raise ValueError(
+            "Invalid stacked k_norm_weight shape for fused KV materialization: "
+            f"got {_shape(k_norm_weight)}, expected {(n_layers, head_dim)}."
+        )
+    if eps is None:
+        raise ValueError(
+            "Invalid eps for fused KV materialization: got None with a k_norm_weight, "
+            f"expected float32{(n_layers,)}."
+        )
+    if _shape(eps) != (n_layers,):
+        raise ValueError(
+            "Invalid stacked eps shape for fused KV materialization: "
+            f"got {_shape(eps)}, expected {(n_layers,)}."
+        )
+
+
+def _check_per_layer(name, array, n_layers, what):
+    """An optional fp32 ``[n_layers]`` array (``what`` says what it is for)."""
+    if array is None:
+        return
+    if _shape(array) != (n_layers,) or dtype_name(array.dtype) != "float32":
+        raise ValueError(
+            f"Invalid {name} for fused KV materialization: got {dtype_name(array.dtype)}{_shape(array)}, "
+            f"expected float32{(n_layers,)} ({what})."
+        )
+
+
 def _check_supported(kv, k_norm_weight, eps, cos_sin_cache, positions, config, total_ctx):
     if config.rope_style not in ROPE_STYLES:
         raise ValueError(
@@ -317,7 +348,7 @@ def _check_supported(kv, k_norm_weight, eps, cos_sin_cache, positions, config, t
         ("cos_sin_cache", cos_sin_cache, ("float32",)),
         ("positions", positions, POSITION_DTYPES),
     ):
-        if dtype_name(array.dtype) not in allowed:
+        if array is not None and dtype_name(array.dtype) not in allowed:
             raise ValueError(
                 f"Invalid {name} dtype for fused KV materialization: "
                 f"got {dtype_name(array.dtype)}, expected one of {allowed}."
@@ -526,6 +557,7 @@ def validate_cache_call(
     rope_style: str = "neox",
     k_scale=None,
     v_scale=None,
+    v_multiplier=None,
     check_buffers: bool = True,
 ) -> CallShape:
     """:func:`validate_call`, then the paged-cache arguments of the op written into a cache.
@@ -537,6 +569,7 @@ def validate_cache_call(
     call = validate_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
+        v_multiplier=v_multiplier,
     )
     if dtype_name(cache_loc.dtype) not in POSITION_DTYPES:
         raise ValueError(
@@ -606,8 +639,8 @@ def _check_scale(name, scale, needed, n_layers):
 _ACCEPTED_CALLS: dict[tuple, AcceptedCall] = {}
 _MAX_ACCEPTED_CALLS = 4096
 
-_CALL_ARRAYS = ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "k_out", "v_out")
-_CACHE_CALL_ARRAYS = _CALL_ARRAYS[:5] + ("cache_loc", "k_cache", "v_cache", "k_scale", "v_scale")
+_CALL_ARRAYS = ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "k_out", "v_out", "v_multiplier")
+_CACHE_CALL_ARRAYS = _CALL_ARRAYS[:5] + ("cache_loc", "k_cache", "v_cache", "k_scale", "v_scale", "v_multiplier")
 
 
 class AcceptedCall:
@@ -688,23 +721,25 @@ def _remember(signature: tuple | None, call: CallShape) -> AcceptedCall:
 
 
 def accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, *, num_kv_heads: int,
-                head_dim: int, rotary_dim: int, rope_style: str = "neox", takes: str | None = None,
-                remember: bool = True) -> AcceptedCall:
+                head_dim: int, rotary_dim: int, rope_style: str = "neox", v_multiplier=None,
+                takes: str | None = None, remember: bool = True) -> AcceptedCall:
     """:func:`check_arrays` (``takes``: which arrays the entry point takes; None where the
     caller checks them itself) and :func:`validate_call` without ``check_buffers``, once
     per :func:`call_signature`: a call whose signature passed before is not checked again;
     one that fails raises every time. Run :func:`check_output_buffers` after it, on every
     call. ``remember=False`` checks without remembering (traced calls: torch.compile)."""
-    return _accept("call", _CALL_ARRAYS, (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out),
+    return _accept("call", _CALL_ARRAYS,
+                   (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, v_multiplier),
                    (num_kv_heads, head_dim, rotary_dim, rope_style), takes, remember, _validate_call)
 
 
 def accept_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale,
                       v_scale, *, num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str = "neox",
-                      takes: str | None = None, remember: bool = True) -> AcceptedCall:
+                      v_multiplier=None, takes: str | None = None, remember: bool = True) -> AcceptedCall:
     """:func:`accept_call` for :func:`validate_cache_call`."""
     return _accept("cache", _CACHE_CALL_ARRAYS,
-                   (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale, v_scale),
+                   (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale, v_scale,
+                    v_multiplier),
                    (num_kv_heads, head_dim, rotary_dim, rope_style), takes, remember, _validate_cache_call)
 
 
@@ -723,15 +758,17 @@ def _accept(kind: str, names, arrays: tuple, static: tuple, takes, remember: boo
     return _remember(signature, validate(*arrays, *static))
 
 
-def _validate_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, num_kv_heads, head_dim,
-                   rotary_dim, rope_style) -> CallShape:
+def _validate_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, v_multiplier, num_kv_heads,
+                   head_dim, rotary_dim, rope_style) -> CallShape:
     return validate_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=k_out, v_out=v_out,
+                         v_multiplier=v_multiplier,
                          num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
                          check_buffers=False)
 
 
 def _validate_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale,
-                         v_scale, num_kv_heads, head_dim, rotary_dim, rope_style) -> CallShape:
+                         v_scale, v_multiplier, num_kv_heads, head_dim, rotary_dim, rope_style) -> CallShape:
     return validate_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-                               k_scale=k_scale, v_scale=v_scale, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                               k_scale=k_scale, v_scale=v_scale, v_multiplier=v_multiplier,
+                               num_kv_heads=num_kv_heads, head_dim=head_dim,
                                rotary_dim=rotary_dim, rope_style=rope_style, check_buffers=False)
