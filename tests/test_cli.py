@@ -238,10 +238,21 @@ def test_the_time_columns_show_the_first_call_apart_from_the_second(capsys, monk
     assert re.search(r"PASS +[\d.]+ m?s +[\d.]+ m?s$", torch_row)
 
 
+def test_json_names_each_option_as_its_flag(capsys):
+    parser, commands = cli._parsers()
+    flags = set(vars(commands["check"].parse_args([]))) - {"json"}
+    assert cli.main(["check", *SMALL, "--backends", "jax", "--json"]) == 0
+    options = json.loads(capsys.readouterr().out)["options"]
+    assert set(options) == flags
+    assert options == {"layers": 2, "heads": 2, "head_dim": 32, "rotary_dim": 32, "rope_style": "neox",
+                       "dtype": "bfloat16", "tokens": 5, "max_position": 32768, "seed": 0,
+                       "backends": ["jax"]}
+
+
 def test_check_with_its_defaults_compares_every_backend_and_pair(capsys):
     assert cli.main(["check", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)  # one document: no streamed rows mixed in
-    assert report["ok"] and report["options"]["total_ctx"] == (16 if ON_CPU else 4096)
+    assert report["ok"] and report["options"]["tokens"] == (16 if ON_CPU else 4096)
     assert {(row["subject"], row["against"]) for row in report["rows"]} == ROWS
     for row in report["rows"]:
         if row["subject"] != "reference":

@@ -151,8 +151,14 @@ class CheckReport:
         return all(row.ok is not False for row in self.rows)
 
     def as_dict(self) -> dict:
+        """The report as ``--json`` prints it: the options under the names of the flags
+        that set them (``tokens`` and ``backends`` as they ran), then the rows."""
+        o = self.options
         return {
-            "options": dataclasses.asdict(self.options) | {"total_ctx": self.total_ctx},
+            "options": {"layers": o.n_layers, "heads": o.num_kv_heads, "head_dim": o.head_dim,
+                        "rotary_dim": o.rotary_dim, "rope_style": o.rope_style, "dtype": o.dtype,
+                        "tokens": self.total_ctx, "max_position": o.max_position, "seed": o.seed,
+                        "backends": list(o.backend_names)},
             "ok": self.ok,
             "rows": [dataclasses.asdict(row) for row in self.rows],
         }
