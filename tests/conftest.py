@@ -6,7 +6,9 @@ there too. On a GPU machine the same tests run on the GPU, and the interpreted t
 contract suite run beside them (``backends.py``).
 """
 
+import collections
 import os
+import re
 
 import pytest
 
@@ -42,3 +44,29 @@ def backend(request):
     chosen = BACKENDS[request.param](interpret=interpret)
     with chosen.context():
         yield chosen
+
+
+def skip_category(reason: str, on_gpu: bool) -> str:
+    """What a skipped test needs, in a few words, from its skip reason; a reason of no
+    known kind stands as it is."""
+    if re.search(r"\bneeds \d+ \w* ?devices\b", reason):
+        return "need several devices"
+    if not on_gpu and re.search(r"GPU|CUDA|compiled", reason):
+        return "need a GPU"
+    return reason
+
+
+def skip_summary(reasons: list[str], on_gpu: bool) -> str:
+    """One line: how many tests were skipped, by what they need, most first."""
+    counts = collections.Counter(skip_category(reason, on_gpu) for reason in reasons)
+    kinds = ", ".join(f"{count} {kind}" for kind, count in counts.most_common())
+    return f"{len(reasons)} skipped: {kinds} (pytest -rs lists each)"
+
+
+def pytest_terminal_summary(terminalreporter):
+    # A bare count of skips would not say that they are the GPU's and several devices' tests.
+    reports = terminalreporter.stats.get("skipped", [])
+    reasons = [report.longrepr[2].removeprefix("Skipped: ") for report in reports
+               if isinstance(report.longrepr, tuple)]
+    if reasons:
+        terminalreporter.write_line(skip_summary(reasons, ON_GPU))

@@ -189,12 +189,15 @@ def test_a_cap_of_calls_per_jit_other_than_a_positive_number_is_refused(cap, cap
     assert f"argument --max-calls-per-jit: got {cap!r}, expected a positive whole number" in capsys.readouterr().err
 
 
-def test_unknown_only_words_are_refused_in_one_line(tmp_path, capsys):
-    args = _parser().parse_args(["--only", "triton,tritn", "--out", str(tmp_path / "out")])
-    assert run_bench_command(args) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("fusedkv bench: unknown --only words ['tritn']; expected implementations (triton,")
-    assert err.count("\n") == 1
+@pytest.mark.parametrize("only, unknown", [("triton,tritn", "unknown: tritn"), (",", "none given")])
+def test_only_words_other_than_implementations_and_kinds_are_an_argparse_error(only, unknown, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _parser().parse_args(["--only", only])
+    assert exit_info.value.code == 2
+    usage, message = capsys.readouterr().err.rstrip("\n").rsplit("\n", 1)
+    assert usage.startswith("usage: fusedkv bench ")
+    assert message.startswith(f"fusedkv bench: error: argument --only: got {only!r}, expected comma-separated "
+                              f"implementations or kinds; {unknown}; kinds: kernel, ")
 
 
 @pytest.mark.skipif(ON_GPU, reason="the refusal is for machines without a GPU")

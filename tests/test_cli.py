@@ -1,8 +1,12 @@
 """The ``fusedkv`` command line as a user meets it: options, --version, info, check's output."""
 
+import dataclasses
 import importlib.metadata
 import json
+import pathlib
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -18,6 +22,7 @@ from interop.command.backends import gpu_framework, run_backend  # noqa: E402
 from interop.command.check import CheckOptions, run_check  # noqa: E402
 
 ON_CPU = gpu_framework() is None
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMALL = ["--layers", "2", "--heads", "2", "--head-dim", "32", "--tokens", "5"]
 ROWS = {("reference", "-"), ("torch", "reference"), ("jax", "reference"), ("torch", "jax")}
 
@@ -60,6 +65,11 @@ def test_a_bad_value_is_an_argparse_error_naming_its_option(argv, option, capsys
     assert message.startswith(f"argument {option}: ") and repr(argv[1]) in message
 
 
+def test_an_odd_head_dim_without_a_rotary_dim_is_an_error_of_head_dim(capsys, monkeypatch):
+    message = _refusal(["--head-dim", "7"], capsys, monkeypatch)
+    assert message.startswith("argument --head-dim: got 7, expected an even number")
+
+
 @pytest.mark.parametrize("argv", [["--rotary-dim", "129"], ["--rotary-dim", "63"],
                                   ["--head-dim", "64", "--rotary-dim", "128"]])
 def test_rotary_dim_must_be_even_and_at_most_head_dim(argv, capsys, monkeypatch):
@@ -68,27 +78,34 @@ def test_rotary_dim_must_be_even_and_at_most_head_dim(argv, capsys, monkeypatch)
                               "at most --head-dim")
 
 
-SIZES = "argument --tokens/--layers/--heads/--head-dim: "
-
-
 @pytest.mark.parametrize("argv, start", [
-    (["--tokens", "1000000000"], SIZES + "1000000000 tokens x 5 layers x 8 KV heads x head_dim 128 need"),
-    (["--layers", "100000000"], SIZES + f"{16 if ON_CPU else 4096} tokens x 100000000 layers x"),
+    (["--tokens", "1000000000"], "argument --tokens: 1000000000 tokens x 5 layers x 8 KV heads x head_dim 128 need"),
+    (["--layers", "100000000"], f"argument --layers: {16 if ON_CPU else 4096} tokens x 100000000 layers x"),
     (["--max-position", "1000000000"], "argument --max-position: a cos/sin table of 1000000000 rows "
                                        "of 128 needs"),
+    (["--tokens", "16", "--head-dim", "100000"], "argument --head-dim: a cos/sin table of 32768 rows of "
+                                                 "100000 needs"),
+    (["--head-dim", "100000", "--rotary-dim", "99998"], "argument --rotary-dim: a cos/sin table of 32768 "
+                                                        "rows of 99998 needs"),
 ])
-def test_sizes_beyond_the_machines_memory_are_refused_before_allocating(argv, start, capsys, monkeypatch):
+def test_sizes_beyond_the_machines_memory_are_refused_naming_the_option_to_shrink(argv, start, capsys,
+                                                                                monkeypatch):
+    monkeypatch.setattr(cli, "_physical_memory", lambda: 16 * 2**30)
     message = _refusal(argv, capsys, monkeypatch)
     assert message.startswith(start)
-    assert re.search(r" about [\d,.]+ GiB of host memory for the check; this machine has [\d.]+ GiB$", message)
+    assert re.search(r" about [\d,.]+ GiB of host memory for the check; this machine has 16 GiB$", message)
 
 
 @pytest.mark.skipif(not ON_CPU, reason="the interpret-mode estimate applies without a GPU")
-def test_interpret_mode_refuses_a_check_that_would_take_hours(capsys, monkeypatch):
+@pytest.mark.parametrize("argv, option, unit", [
+    (["--tokens", "1000000"], "--tokens", "hours"),
+    (["--tokens", "1", "--layers", "100000", "--heads", "1", "--head-dim", "16"], "--layers", "minutes"),
+])
+def test_interpret_mode_refuses_a_check_that_would_take_too_long(argv, option, unit, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_physical_memory", lambda: 2**60)  # past the memory check
-    message = _refusal(["--tokens", "1000000"], capsys, monkeypatch)
-    assert re.fullmatch(SIZES + r"1000000 tokens x 5 layers x 8 KV heads x head_dim 128 in interpret "
-                        r"mode \(no GPU here\) would take about \d+ hours; .*", message)
+    message = _refusal(argv, capsys, monkeypatch)
+    assert re.fullmatch(rf"argument {option}: \d+ tokens x \d+ layers x \d+ KV heads x head_dim \d+ in "
+                        rf"interpret mode \(no GPU here\) would take about \d+ {unit}; .*", message)
 
 
 @pytest.mark.skipif(not ON_CPU, reason="the interpret-mode estimate applies without a GPU")
@@ -99,6 +116,41 @@ def test_interpret_mode_announces_a_long_check_with_its_estimate(capsys, monkeyp
     assert re.fullmatch(r"fusedkv check: 5 tokens x 2 layers x 2 KV heads x head_dim 32 in "
                         r"interpret mode \(no GPU here\): expect about \d+ s\n", captured.err)
     assert captured.out.endswith("ALL PASS\n")
+
+
+SIZE_FIELDS = [("total_ctx", 32), ("n_layers", 4), ("num_kv_heads", 4), ("head_dim", 64),
+               ("rotary_dim", 32), ("max_position", 2048)]
+
+
+@pytest.mark.parametrize("field, larger", SIZE_FIELDS, ids=[field for field, _ in SIZE_FIELDS])
+def test_the_interpreted_estimate_grows_with_every_size(field, larger):
+    base = CheckOptions(n_layers=2, num_kv_heads=2, head_dim=32, rotary_dim=16, total_ctx=16,
+                        max_position=1024)
+    assert dataclasses.replace(base, **{field: larger}).interpreted_seconds() > base.interpreted_seconds()
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the interpret-mode estimate applies without a GPU")
+@pytest.mark.parametrize("options", [
+    CheckOptions(n_layers=100, num_kv_heads=1, head_dim=16, rotary_dim=16, total_ctx=1),
+    CheckOptions(total_ctx=512),
+], ids=["many-layers-of-one-token", "many-tokens"])
+def test_the_interpreted_estimate_is_within_a_factor_of_two_of_the_check(options):
+    estimate = options.interpreted_seconds()  # first, as the command makes it: imports aside
+    start = time.perf_counter()
+    assert run_check(options).ok
+    seconds = time.perf_counter() - start
+    assert seconds / 2 < estimate < seconds * 2, (estimate, seconds)
+
+
+def test_a_closed_output_ends_the_check_quietly_with_the_status_of_sigpipe():
+    # As `fusedkv check | head -1`: the reader takes a line and goes away.
+    check = subprocess.Popen([sys.executable, "-m", "interop", "check", *SMALL], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert check.stdout.readline().startswith("fusedkv check: ")
+    check.stdout.close()
+    err = check.stderr.read()
+    assert check.wait() == cli.READER_GONE == 141
+    assert err == ""
 
 
 def test_an_unknown_option_is_answered_with_the_commands_usage(capsys, monkeypatch):
@@ -238,10 +290,21 @@ def test_the_time_columns_show_the_first_call_apart_from_the_second(capsys, monk
     assert re.search(r"PASS +[\d.]+ m?s +[\d.]+ m?s$", torch_row)
 
 
+def test_json_names_each_option_as_its_flag(capsys):
+    parser, commands = cli._parsers()
+    flags = set(vars(commands["check"].parse_args([]))) - {"json"}
+    assert cli.main(["check", *SMALL, "--backends", "jax", "--json"]) == 0
+    options = json.loads(capsys.readouterr().out)["options"]
+    assert set(options) == flags
+    assert options == {"layers": 2, "heads": 2, "head_dim": 32, "rotary_dim": 32, "rope_style": "neox",
+                       "dtype": "bfloat16", "tokens": 5, "max_position": 32768, "seed": 0,
+                       "backends": ["jax"]}
+
+
 def test_check_with_its_defaults_compares_every_backend_and_pair(capsys):
     assert cli.main(["check", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)  # one document: no streamed rows mixed in
-    assert report["ok"] and report["options"]["total_ctx"] == (16 if ON_CPU else 4096)
+    assert report["ok"] and report["options"]["tokens"] == (16 if ON_CPU else 4096)
     assert {(row["subject"], row["against"]) for row in report["rows"]} == ROWS
     for row in report["rows"]:
         if row["subject"] != "reference":

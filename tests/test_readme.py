@@ -1,9 +1,15 @@
-"""README.md as a new user meets it: every Python snippet runs as written, every ``fusedkv``
+"""README.md as a new user meets it: every Python snippet runs as written, each in a fresh
+``python`` with none of the test harness's environment; the JAX parts of the sharding
+section run on host devices after the snippets that make their inputs; every ``fusedkv``
 command line is accepted. Without a GPU the snippets pick the CPU (kernels interpreted)."""
 
+import json
+import os
 import pathlib
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -13,7 +19,8 @@ pytest.importorskip("jax")
 from interop.command import cli  # noqa: E402
 from interop.command.check import header  # noqa: E402
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
 
 
 def _blocks(info: str) -> list[tuple[int, str]]:
@@ -24,11 +31,48 @@ def _blocks(info: str) -> list[tuple[int, str]]:
 
 
 SNIPPETS = _blocks("python")
-# Parts of a program on several devices (the sharding section): they cannot run in one
-# CPU process, so they are only compiled here; tests/test_sharding.py runs the patterns.
+# Parts of a program on several devices (the sharding section): the JAX ones run on host
+# devices after the snippets that make their inputs; the torch one is only compiled.
 FRAGMENTS = _blocks("python fragment")
 COMMANDS = [shlex.split(line, comments=True) for _, block in _blocks("sh")
             for line in block.splitlines() if line.startswith("fusedkv ")]
+
+# Runs each ``[line, code]`` of the JSON on stdin in one namespace, compiled as README.md's
+# own lines, so that a traceback names the README's line.
+_RUNNER = """
+import json, sys
+namespace = {"__name__": "__main__"}
+for line, code in json.load(sys.stdin):
+    exec(compile("\\n" * (line - 1) + code, sys.argv[1], "exec"), namespace)
+"""
+
+
+def _run_as_a_user(blocks: list[tuple[int, str]], directory: pathlib.Path, **env: str) -> None:
+    """Run README blocks in a fresh ``python`` in ``directory``, without the variables this
+    harness sets (a user's shell has none of them) but ``env``."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "JAX_PLATFORMS", "XLA_FLAGS")}
+    clean["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    result = subprocess.run([sys.executable, "-c", _RUNNER, str(README)], input=json.dumps(blocks),
+                            capture_output=True, text=True, cwd=directory, env=clean | env)
+    assert result.returncode == 0, result.stderr
+
+
+def _is_jax(code: str) -> bool:
+    return "torch" not in code
+
+
+def _jax_fragment_runs() -> list[list[tuple[int, str]]]:
+    """The JAX fragments, each after the JAX snippets (their inputs) and the names the
+    section takes as given; one that makes no mesh of its own follows the one before."""
+    given = (0, "from jax.sharding import NamedSharding, PartitionSpec as P\n"
+                "from fusedkv_jax.sharding import head_major_kv, head_parallel_materializer\n"
+                "k_norm_weight, eps = jnp.ones((L, D)), jnp.full((L,), 1e-6)\n")
+    runs = []
+    for fragment in filter(lambda block: _is_jax(block[1]), FRAGMENTS):
+        if "mesh = " in fragment[1] or not runs:
+            runs.append([block for block in SNIPPETS if _is_jax(block[1])] + [given])
+        runs[-1].append(fragment)
+    return runs
 
 
 def test_readme_shows_the_three_ways_in_and_both_materializers():
@@ -41,10 +85,14 @@ def test_readme_shows_the_three_ways_in_and_both_materializers():
 
 
 @pytest.mark.parametrize("line, code", SNIPPETS, ids=[f"README.md:{line}" for line, _ in SNIPPETS])
-def test_python_snippet_runs_as_written(line, code):
-    # Padded so that a traceback names the README's own line; a fresh namespace, so a
-    # name the snippet does not define itself fails.
-    exec(compile("\n" * (line - 1) + code, str(README), "exec"), {"__name__": "__readme__"})
+def test_python_snippet_runs_as_written(line, code, tmp_path):
+    _run_as_a_user([(line, code)], tmp_path)
+
+
+@pytest.mark.parametrize("blocks", _jax_fragment_runs(), ids=lambda blocks: f"README.md:{blocks[-1][0]}")
+def test_jax_sharding_fragments_run_on_host_devices(blocks, tmp_path):
+    # As on a CPU machine, whatever this one has: tests/test_sharding_gpu.py runs the GPU's way.
+    _run_as_a_user(blocks, tmp_path, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
 
 
 @pytest.mark.parametrize("line, code", FRAGMENTS, ids=[f"README.md:{line}" for line, _ in FRAGMENTS])

@@ -3,7 +3,7 @@
 The console command wires it in with :func:`add_bench_arguments` (on its ``bench``
 subparser) and :func:`run_bench_command`; ``python -m interop.bench`` runs it alone.
 Exit status: 0 when every row passed its check and was timed, 1 when some row failed
-or raised (the table says which), 2 when it refused (no GPU, an unknown ``--only``).
+or raised (the table says which), 2 when it refused (no GPU, a bad option).
 """
 
 from __future__ import annotations
@@ -62,7 +62,14 @@ def _positive_int(text: str) -> int:
 
 
 def _word_list(text: str) -> list[str]:
-    return [word.strip() for word in text.split(",") if word.strip()]
+    words = [word.strip() for word in text.split(",") if word.strip()]
+    unknown = unknown_words(words)
+    if not words or unknown:
+        raise argparse.ArgumentTypeError(
+            f"got {text!r}, expected comma-separated implementations or kinds; "
+            f"{'unknown: ' + ', '.join(unknown) if unknown else 'none given'}; "
+            f"kinds: {', '.join(KINDS)}; implementations: {', '.join(BY_NAME)}")
+    return words
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -135,11 +142,6 @@ def _versions() -> dict[str, str]:
 
 def run_bench_command(args: argparse.Namespace) -> int:
     """Run the bench with the options of :func:`add_bench_arguments`; returns the exit status."""
-    unknown = unknown_words(args.only or [])
-    if unknown:
-        print(f"fusedkv bench: unknown --only words {unknown}; expected implementations "
-              f"({', '.join(BY_NAME)}) or kinds ({', '.join(KINDS)})", file=sys.stderr)
-        return 2
     found, reasons = gpu_frameworks()
     if not found:
         print(REFUSAL.format(reasons="; ".join(reasons)), file=sys.stderr)

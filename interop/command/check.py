@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from typing import Callable
 
 from interop.command.backends import BackendUnavailable, gpu_framework, place_inputs, run_backend
-from interop.registry import BACKENDS
+from interop.registry import BACKENDS, backend_installed
 from interop.core.reference import fused_kv_norm_rope_reference
 from interop.core.spec import FusedKVConfig
 from interop.testing import bit_mismatches, compare, random_inputs
@@ -16,16 +17,38 @@ from interop.testing import bit_mismatches, compare, random_inputs
 DEFAULT_TOKENS_GPU = 4096
 DEFAULT_TOKENS_CPU = 16
 
-# What a check costs on the host, measured with `fusedkv check --tokens 1024` and `--tokens
-# 8192` (5 layers, 8 KV heads of 128, bf16, both backends interpreted) on the 2-core
-# development machine: 12.5 s and 99 s, 1.1 and 4.1 GB peak resident, 0.6 GB of which are
-# the frameworks. Per element of kv: about 47 bytes (inputs, the fp32 reference, each
-# backend's outputs, the comparisons' fp64 copies) and, interpreted, about 0.55 us per
-# backend (its two calls and its comparisons). The cos/sin table is built in fp64 (angles,
-# cos, sin, both joined) before its fp32 copy: about 32 bytes per element at its peak.
+# What a check holds on the host at its peak, per element of kv: the inputs, the fp32
+# reference, each backend's outputs and the comparisons' fp64 copies; per element of the
+# cos/sin table, the fp64 angles, cos and sin it is built from before its fp32 copy.
 HOST_BYTES_PER_KV_ELEMENT = 48
 HOST_BYTES_PER_TABLE_ELEMENT = 32
-INTERPRETED_SECONDS_PER_KV_ELEMENT_PER_BACKEND = 0.55e-6
+
+# What a check costs in interpret mode (no GPU), fitted to checks timed on a CPU: the
+# inputs and the reference per element of kv, each comparison of two backends per element,
+# the cos/sin table per element; then what each backend adds (INTERPRETED_COSTS).
+INTERPRETED_SECONDS_PER_KV_ELEMENT = 50e-9
+INTERPRETED_SECONDS_PER_PAIR_ELEMENT = 40e-9
+INTERPRETED_SECONDS_PER_TABLE_ELEMENT = 15e-9
+
+
+@dataclasses.dataclass(frozen=True)
+class InterpretedCost:
+    """Seconds one backend adds to an interpreted check, its two calls and its comparison
+    with the reference: once, per element of kv, per program of its grid, and per program
+    and element of kv."""
+
+    once: float
+    per_element: float
+    per_program: float
+    per_program_element: float
+
+
+# Triton's interpreter runs each program of the grid in Python; Pallas's interpret mode
+# loops over the grid in XLA, each step touching the whole arrays, after compiling once.
+INTERPRETED_COSTS = {
+    "torch": InterpretedCost(once=0.0, per_element=270e-9, per_program=26e-3, per_program_element=0.0),
+    "jax": InterpretedCost(once=0.8, per_element=80e-9, per_program=0.0, per_program_element=2e-9),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +87,39 @@ class CheckOptions:
         return (HOST_BYTES_PER_KV_ELEMENT * self.kv_elements(),
                 HOST_BYTES_PER_TABLE_ELEMENT * self.max_position * self.rotary_dim)
 
+    def interpreted_programs(self, backend: str) -> int:
+        """The programs of one interpreted call of ``backend``, from its own tile rule."""
+        tokens, heads = self.tokens(), self.num_kv_heads
+        if backend == "torch":
+            from fusedkv_torch.kernel import default_tile
+
+            block_tokens, block_heads, _ = default_tile(tokens, heads, self.head_dim, interpret=True)
+        else:
+            from fusedkv_jax.kernel import default_tile
+
+            block_tokens, block_heads, _ = default_tile(
+                tokens, self.n_layers, heads, self.head_dim, rotary_dim=self.rotary_dim,
+                rope_style=self.rope_style, interpret=True)
+        return -(-tokens // block_tokens) * self.n_layers * -(-heads // block_heads)
+
     def interpreted_seconds(self) -> float:
-        """About how long the backends take in interpret mode (no GPU), startup aside."""
-        return (INTERPRETED_SECONDS_PER_KV_ELEMENT_PER_BACKEND * self.kv_elements()
-                * len(self.backend_names))
+        """About how long the check takes in interpret mode (no GPU), startup aside: a
+        function of every size and of the installed backends it runs (see the constants
+        above)."""
+        names = [name for name in self.backend_names if backend_installed(name)]
+        elements = self.kv_elements()
+        seconds = (INTERPRETED_SECONDS_PER_KV_ELEMENT * elements
+                   + INTERPRETED_SECONDS_PER_PAIR_ELEMENT * elements * math.comb(len(names), 2)
+                   + INTERPRETED_SECONDS_PER_TABLE_ELEMENT * self.max_position * self.rotary_dim)
+        for name in names:
+            try:
+                programs = self.interpreted_programs(name)
+            except ImportError:  # its row will say why it did not run
+                continue
+            cost = INTERPRETED_COSTS[name]
+            seconds += (cost.once + cost.per_element * elements
+                        + programs * (cost.per_program + cost.per_program_element * elements))
+        return seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,8 +203,14 @@ class CheckReport:
         return all(row.ok is not False for row in self.rows)
 
     def as_dict(self) -> dict:
+        """The report as ``--json`` prints it: the options under the names of the flags
+        that set them (``tokens`` and ``backends`` as they ran), then the rows."""
+        o = self.options
         return {
-            "options": dataclasses.asdict(self.options) | {"total_ctx": self.total_ctx},
+            "options": {"layers": o.n_layers, "heads": o.num_kv_heads, "head_dim": o.head_dim,
+                        "rotary_dim": o.rotary_dim, "rope_style": o.rope_style, "dtype": o.dtype,
+                        "tokens": self.total_ctx, "max_position": o.max_position, "seed": o.seed,
+                        "backends": list(o.backend_names)},
             "ok": self.ok,
             "rows": [dataclasses.asdict(row) for row in self.rows],
         }

@@ -30,6 +30,8 @@ from interop.command.check import (
 # estimate, and one expected to take longer than the second is refused.
 WARN_SECONDS = 60
 REFUSE_SECONDS = 30 * 60
+# The status of a program stopped by SIGPIPE (128 + 13), when the reader of the output goes away.
+READER_GONE = 141
 PACKAGES = ("numpy", "ml_dtypes", "torch", "triton", "jax", "jaxlib")
 
 
@@ -115,8 +117,28 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     return parser, {"check": check, "info": info, "bench": bench}
 
 
+SIZE_OPTIONS = ("tokens", "layers", "heads", "head-dim")
+
+
+def _sizes(options: CheckOptions) -> dict[str, int]:
+    return {"tokens": options.tokens(), "layers": options.n_layers, "heads": options.num_kv_heads,
+            "head-dim": options.head_dim, "rotary-dim": options.rotary_dim,
+            "max-position": options.max_position}
+
+
+def _named(options: CheckOptions, flags: tuple[str, ...]) -> str:
+    """``argument --a/--b``: those of the size options ``flags`` that are above their
+    defaults (all of them where none is), so that an error names what to make smaller."""
+    sizes, defaults = _sizes(options), _sizes(CheckOptions())
+    grown = [flag for flag in flags if sizes[flag] > defaults[flag]]
+    return "argument " + "/".join(f"--{flag}" for flag in grown or flags)
+
+
 def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> CheckOptions:
     """The options of ``check``, or an argparse error (usage, one line, exit 2) naming the bad one."""
+    if args.rotary_dim is None and args.head_dim % 2:
+        parser.error(f"argument --head-dim: got {args.head_dim}, expected an even number, or an even "
+                     "--rotary-dim below it (rotary_dim defaults to head_dim)")
     rotary_dim = args.head_dim if args.rotary_dim is None else args.rotary_dim
     if rotary_dim > args.head_dim or rotary_dim % 2:
         parser.error(f"argument --rotary-dim: got {rotary_dim}, expected an even number "
@@ -129,20 +151,23 @@ def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     )
     shape = (f"{options.tokens()} tokens x {options.n_layers} layers x {options.num_kv_heads} KV heads "
              f"x head_dim {options.head_dim}")
-    sizes = f"argument --tokens/--layers/--heads/--head-dim: {shape}"
     kv_bytes, table_bytes = options.host_bytes()
     memory = _physical_memory()
     if memory is not None and kv_bytes + table_bytes > memory:
-        culprit = (f"argument --max-position: a cos/sin table of {options.max_position} rows of "
-                   f"{options.rotary_dim} needs" if table_bytes > kv_bytes else f"{sizes} need")
+        if table_bytes > kv_bytes:
+            columns = "head-dim" if args.rotary_dim is None else "rotary-dim"
+            culprit = (f"{_named(options, ('max-position', columns))}: a cos/sin table of "
+                       f"{options.max_position} rows of {options.rotary_dim} needs")
+        else:
+            culprit = f"{_named(options, SIZE_OPTIONS)}: {shape} need"
         parser.error(f"{culprit} about {_gib(kv_bytes + table_bytes)} of host memory for the "
                      f"check; this machine has {_gib(memory)}")
     if backends.gpu_framework() is None:
         seconds = options.interpreted_seconds()
         if seconds > REFUSE_SECONDS:
-            parser.error(f"{sizes} in interpret mode (no GPU here) would take about "
-                         f"{_about(seconds)}; a CPU run proves logic, not speed: take fewer "
-                         "tokens, or run on a GPU")
+            parser.error(f"{_named(options, SIZE_OPTIONS + ('max-position',))}: {shape} in "
+                         f"interpret mode (no GPU here) would take about {_about(seconds)}; a CPU "
+                         "run proves logic, not speed: take smaller sizes, or run on a GPU")
         if seconds > WARN_SECONDS:
             print(f"fusedkv check: {shape} in interpret mode (no GPU here): expect about "
                   f"{_about(seconds)}", file=sys.stderr, flush=True)
@@ -241,7 +266,7 @@ def _interpret_triton_without_gpu() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _run(argv: list[str] | None) -> int:
     parser, subparsers = _parsers()
     args, unknown = parser.parse_known_args(argv)
     command = subparsers[args.command]
@@ -256,6 +281,18 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         return run_bench_command(args)
     return _check(command, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        status = _run(argv)
+        sys.stdout.flush()  # so that a closed pipe shows here, not at the interpreter's exit
+    except BrokenPipeError:
+        # The reader went away (`fusedkv check | head -1`): no traceback, and no exit status
+        # of a disagreement. Output still buffered goes nowhere instead of failing at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return READER_GONE
+    return status
 
 
 if __name__ == "__main__":
