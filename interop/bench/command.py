@@ -110,7 +110,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "two letters each: a program takes every layer, then K is loaded as whole rows; "
                              "1 forced on, 0 off, p the kernel's rule (pp: the production kernel)")
     parser.add_argument("--rounds", type=_positive_int, default=1, metavar="N",
-                        help="time every row N times, in alternated order, and report the median (default: 1)")
+                        help="check every row of a size, then time each N times in alternated order and report "
+                             "the median (default: 1); the rows of a size are held ready together, so at the "
+                             "largest sizes run fewer of them")
     parser.add_argument("--out", default="bench-results",
                         help="directory for bench.csv, bench.json and the plots (default: bench-results)")
     parser.add_argument("--markdown", default=None, metavar="PATH",

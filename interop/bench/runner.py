@@ -9,7 +9,8 @@ why, and one that raises is recorded with its error (the traceback goes to
 ``on_error``) while the run goes on. With ``rounds`` above one, every row of a size is
 checked first and then timed once a round, the rows' order reversed every other round,
 so that drift over the run (clocks, temperature) falls on every row alike; a row's time
-is the median of its rounds.
+is the median of its rounds. The rows of a size are then held ready together, inputs,
+outputs and compiled jits.
 
 Timers by row: torch on the device, CUDA-graph replay
 (:func:`~interop.bench.timers.graph_replay_seconds`, ``Effort.graph_ms`` of calls a
