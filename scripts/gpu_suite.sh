@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Everything the H200 must show, from the tree, nothing installed (device tool):
+# Everything a GPU machine must show, run from the tree with nothing installed:
 #   bash scripts/gpu_suite.sh [PART ...]      PART: tests, check, trust, bench, host (default: all five)
-# tests: the whole pytest suite on the GPU (property tests under their CI budget);
-# check: `fusedkv check` on five configurations; trust: scripts/gpu_trust.sh (10,000 calls
-# per entry point, memory, threads, then the property tests under the gpu budget);
-# bench: `fusedkv bench --quick` (table, CSV, JSON and plots under $LOGS/bench);
-# host: benchmarks/host_path.py, the host cost of every eager entry point and its pieces.
-# One device call holds at most 10 minutes: run the parts as two calls when all do not fit.
-# Full logs go to $OUT (the device tool's folder) or /tmp/fusedkv-gpu; a summary comes last.
+# tests: the pytest suite on the GPU (property tests with their CI examples);
+# check: `fusedkv check` on five configurations;
+# trust: scripts/gpu_trust.sh (many calls per entry point, memory, threads, then the
+#        property tests with the GPU's examples);
+# bench: `fusedkv bench --quick`: tables, CSV, JSON, plots and the tables as markdown;
+# host:  `fusedkv bench --host`: every eager entry point's host cost against Triton's own launch.
+# Logs go to $OUT when it is set, else /tmp/fusedkv-gpu; a summary comes last.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 # torch and jax share the GPU in one process: stop XLA from taking 75% of it up front.
@@ -18,6 +18,15 @@ PARTS=${*:-tests check trust bench host}
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$LOGS/device.txt"
 python3 -m interop info 2>&1 | tee -a "$LOGS/device.txt"
+
+# `fusedkv bench` with these options, its files under $LOGS/NAME.
+bench() {
+    local name=$1
+    shift
+    python3 -m interop bench "$@" --out "$LOGS/$name" --markdown "$LOGS/$name/$name.md" \
+        2>"$LOGS/$name.err" | tee "$LOGS/$name.log"
+    return "${PIPESTATUS[0]}"
+}
 
 status=0
 summary=()
@@ -38,11 +47,13 @@ for part in $PARTS; do
                 | tee "$LOGS/trust.log" | tail -45 || status=1
             summary+=("trust: $(grep -E 'passed|failed' "$LOGS/trust.log" | tail -1)");;
         bench)
-            python3 -m interop bench --quick --out "$LOGS/bench" 2>"$LOGS/bench.err" | tee "$LOGS/bench.log" || status=1
-            summary+=("bench: exit ${PIPESTATUS[0]}, results in $LOGS/bench");;
+            bench bench --quick; code=$?
+            [ "$code" = 0 ] || status=1
+            summary+=("bench: exit $code, tables in $LOGS/bench/bench.md");;
         host)
-            python3 benchmarks/host_path.py --calls 500 2>&1 | tee "$LOGS/host.log" | sed -n '/^## summary/,$p' || status=1
-            summary+=("host: $(grep -c 'NOT met' "$LOGS/host.log") of 5 host bars not met (table in $LOGS/host.log)");;
+            bench host --host; code=$?
+            [ "$code" = 0 ] || status=1
+            summary+=("host: exit $code, table in $LOGS/host/host.md");;
         *) echo "unknown part $part (expected tests, check, trust, bench, host)"; exit 2;;
     esac
     summary+=("  ($part took $((SECONDS - start)) s)")

@@ -23,8 +23,9 @@ Draft shape throughout: 5 layers, 8 KV heads, head_dim 128, neox, bf16.
   ``jax.shard_map`` (default settings) with each GPU its four heads. Checks: equal to
   the one-GPU call bit for bit (and, at 4096, to the reference), the compiled program
   free of collectives, the outputs split as asked. Time: device time per GPU from the
-  profiler (as ``benchmarks.bench_jax``), against an XLA pass over the same bytes on the
-  same GPU (its kv share read and written) and against half the one-GPU time.
+  profiler (``interop.bench.timers.gpu_kernel_events``), against an XLA pass over the
+  same bytes on the same GPU (its kv share read and written) and against half the
+  one-GPU time.
 * The JAX materializer over heads (``fusedkv_jax.sharding.head_parallel_materializer``,
   ``materialize`` and ``materialize_into_cache`` inside ``jax.shard_map``) against the
   one-GPU materializer, as for the torch ranks.
@@ -54,15 +55,15 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks.measure import DRAFT, DRAFT_STATIC, N_LAYERS  # noqa: E402
 from interop.core.arrays import as_numpy, numpy_dtype  # noqa: E402
-from interop.bench.shapes import MAX_POSITION  # noqa: E402
-from interop.bench.timers import graph_replay_seconds  # noqa: E402
+from interop.bench.shapes import DRAFT_SHAPE, MAX_POSITION  # noqa: E402
+from interop.bench.timers import gpu_kernel_events, graph_replay_seconds  # noqa: E402
 from interop.core.materializer import head_parallel_layers, stacked_op_arrays  # noqa: E402
 from interop.testing import random_case  # noqa: E402
 from interop.core.reference import fused_kv_norm_rope_reference  # noqa: E402
 from interop.testing import END_TO_END_TOLERANCE, bit_mismatches, compare, random_inputs  # noqa: E402
 
+DRAFT, N_LAYERS, DRAFT_STATIC = DRAFT_SHAPE.config, DRAFT_SHAPE.n_layers, DRAFT_SHAPE.static()
 WORLD_SIZE = 2
 HIDDEN = 4096
 TORCH_TOKENS = 8192
@@ -207,8 +208,6 @@ def _per_device_seconds(launch, steps: int, devices: int) -> tuple[list[float], 
     """Median device time of one step on each GPU (the profiler), else host wall time for all."""
     import jax
 
-    from benchmarks.bench_jax import _gpu_kernel_events
-
     jax.block_until_ready(launch())
     durations = []
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -223,7 +222,7 @@ def _per_device_seconds(launch, steps: int, devices: int) -> tuple[list[float], 
                 jax.block_until_ready(outputs)
             finally:
                 jax.profiler.stop_trace()
-            durations = [[duration for _, duration in _gpu_kernel_events(trace_dir, device)]
+            durations = [[duration for _, duration in gpu_kernel_events(trace_dir, device)]
                          for device in range(devices)]
     if durations and all(durations):
         medians = []

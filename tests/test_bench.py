@@ -1,5 +1,6 @@
-"""``fusedkv bench``: its table, files and plots on fixed measurements, its refusal without a GPU,
-and its machinery (the chain of calls in one jit, the check before timing) on small inputs."""
+"""``fusedkv bench``: its tables, files and plots on fixed measurements, its refusal without a GPU,
+and its machinery (the chain of calls in one jit, the check before timing, the materializers'
+GEMM rows, the host floor, the sweep, alternated rounds) on small inputs."""
 
 import argparse
 import csv
@@ -16,7 +17,17 @@ import pytest
 
 from interop.bench import add_bench_arguments, run_bench_command
 from interop.bench.registry import BY_NAME, IMPLEMENTATIONS, Calls, Implementation, Steps, select
-from interop.bench.report import Measurement, annotate, format_table, write_data
+from interop.bench.report import (
+    HOST_COLUMNS,
+    MATERIALIZER_COLUMNS,
+    Ceiling,
+    Measurement,
+    annotate,
+    device_ceiling,
+    format_table,
+    markdown_report,
+    write_data,
+)
 from interop.bench.runner import Effort, calls_per_jit, plan, run
 from interop.bench.shapes import DECODE_TOKENS, SHAPES, BenchShape
 from interop.core.reference import fused_kv_norm_rope_reference
@@ -42,16 +53,18 @@ except ImportError:
 
 
 def _measurement(implementation, kind, tokens, seconds, *, framework="torch", clock="device",
-                 bytes_moved=4_000_000, check="ok", error="", baseline=False, does_op=True):
+                 bytes_moved=4_000_000, check="ok", error="", baseline=False, does_op=True, gemm=""):
     return Measurement("draft", "bfloat16", implementation, framework, kind, clock, tokens, seconds,
                        bytes_moved, method="m", input_sets=2, check=check, error=error, baseline=baseline,
-                       does_op=does_op)
+                       does_op=does_op, gemm=gemm)
 
 
 # Round numbers, so every derived column is known without the code under test:
 # 4e6 bytes in 1 us is 4000 GB/s, a torch copy of them in 0.8 us 5000 GB/s (80%), the
 # fastest device baseline 4 us (4x); XLA's copy 1 us (4000 GB/s), so pallas's 2 us is 50%
-# and pallas-mosaic's 1.25 us 80%.
+# and pallas-mosaic's 1.25 us 80%. The fastest copy, torch's 5000 GB/s, is the ceiling here.
+# The materializer takes 1.1 times its GEMM's 10 us; the host rows 20 and 400 us over
+# Triton's own launch, 5 us.
 FIXED = [
     _measurement("triton", "kernel", 16, 1e-6),
     _measurement("pallas", "kernel", 16, 2e-6, framework="jax"),
@@ -61,8 +74,11 @@ FIXED = [
     _measurement("torch-copy", "copy", 16, 0.8e-6, does_op=False),
     _measurement("xla-copy", "copy", 16, 1e-6, framework="jax", does_op=False),
     _measurement("torch-gemm", "materializer", 16, 10e-6, bytes_moved=20_000_000, does_op=False),
+    _measurement("torch-materializer", "materializer", 16, 11e-6, bytes_moved=24_000_000, does_op=False,
+                 gemm="torch-gemm"),
     _measurement("broken", "kernel", 16, None, check="FAIL: k: 3 of 10 elements outside tolerance"),
     _measurement("crashed", "kernel", 16, None, error="RuntimeError: out of memory"),
+    _measurement("triton-launch", "host", 16, 5e-6, clock="host", does_op=False),
     _measurement("triton-host", "host", 16, 20e-6, clock="host"),
     _measurement("torch-eager-host", "host", 16, 400e-6, clock="host", baseline=True),
     _measurement("triton", "kernel", 4096, 40e-6, bytes_moved=160_000_000),
@@ -70,36 +86,74 @@ FIXED = [
     _measurement("pallas-mosaic", "kernel", 4096, None, framework="jax",
                  check="n/a: Mosaic GPU takes at most 8 tokens or a multiple of 8"),
 ]
+CEILING = Ceiling(5000, "torch-copy at 16 tokens (draft, bfloat16)")
 
 
 def _table_rows(text):
     return [re.split(r"\s{2,}", line.strip()) for line in text.splitlines()[1:] if line.strip()]
 
 
-def test_table_gives_bandwidth_fraction_of_copy_and_speedup_per_token_count():
-    rows = {(cells[0], cells[2]): cells for cells in _table_rows(format_table(annotate(FIXED)))}
-    assert rows["triton", "16"] == ["triton", "kernel", "16", "1.00", "4000", "80%", "4.00x", "m", "ok"]
-    assert rows["pallas", "16"] == ["pallas", "kernel", "16", "2.00", "2000", "50%", "2.00x", "m", "ok"]
+def _device_table(measurements=FIXED):
+    device = [row for row in annotate(measurements, CEILING)
+              if row.measurement.clock == "device" and row.measurement.kind != "materializer"]
+    return {(cells[0], cells[2]): cells for cells in _table_rows(format_table(device))}
+
+
+def test_table_gives_bandwidth_fractions_of_copy_and_ceiling_and_speedup_per_token_count():
+    rows = _device_table()
+    assert rows["triton", "16"] == ["triton", "kernel", "16", "1.00", "4000", "80%", "80%", "4.00x", "m", "ok"]
+    assert rows["pallas", "16"] == ["pallas", "kernel", "16", "2.00", "2000", "50%", "40%", "2.00x", "m", "ok"]
     # A second kernel row of one framework: its own fraction of the same copy, its own speed-up.
-    assert rows["pallas-mosaic", "16"] == ["pallas-mosaic", "kernel", "16", "1.25", "3200", "80%", "3.20x", "m",
-                                           "ok"]
-    assert rows["torch-compile", "16"][4:7] == ["1000", "20%", "1.00x"]
-    assert rows["torch-eager", "16"][6] == "0.50x"
-    assert rows["torch-copy", "16"][4:7] == ["5000", "100%", "-"]
-    # The materializer moves more bytes and does more than the op: a fraction, no speed-up.
-    assert rows["torch-gemm", "16"][4:7] == ["2000", "40%", "-"]
-    # Host rows: no bandwidth, and their speed-up is over the baselines' eager calls.
-    assert rows["triton-host", "16"][3:7] == ["20.00", "-", "-", "20.00x"]
+    assert rows["pallas-mosaic", "16"] == ["pallas-mosaic", "kernel", "16", "1.25", "3200", "80%", "64%", "3.20x",
+                                           "m", "ok"]
+    assert rows["torch-compile", "16"][4:8] == ["1000", "20%", "20%", "1.00x"]
+    assert rows["torch-eager", "16"][7] == "0.50x"
+    assert rows["torch-copy", "16"][4:8] == ["5000", "100%", "100%", "-"]
     # No baseline measured at 4096 tokens: no speed-up there.
-    assert rows["triton", "4096"][3:7] == ["40.00", "4000", "80%", "-"]
+    assert rows["triton", "4096"][3:8] == ["40.00", "4000", "80%", "80%", "-"]
+
+
+def test_materializer_rows_read_against_their_own_gemm_with_no_bandwidth():
+    rows = [row for row in annotate(FIXED, CEILING) if row.measurement.kind == "materializer"]
+    table = {cells[0]: cells for cells in _table_rows(format_table(rows, MATERIALIZER_COLUMNS))}
+    assert table["torch-materializer"] == ["torch-materializer", "16", "11.00", "1.100x", "m", "ok"]
+    assert table["torch-gemm"][3] == "-"
+    # A compute-bound GEMM has no bandwidth to compare: none of its derived columns are set.
+    assert all(row.gbps is row.of_copy is row.of_ceiling is None for row in rows)
+
+
+def test_host_rows_give_their_time_over_tritons_own_launch_and_their_speedup():
+    rows = [row for row in annotate(FIXED, CEILING) if row.measurement.clock == "host"]
+    table = {cells[0]: cells for cells in _table_rows(format_table(rows, HOST_COLUMNS))}
+    assert table["triton-host"] == ["triton-host", "host", "16", "20.00", "20.00x", "+15.00", "m", "ok"]
+    assert table["torch-eager-host"][3:6] == ["400.00", "1.00x", "+395.00"]
+    assert table["triton-launch"][3:6] == ["5.00", "-", "-"]
+    assert all(row.gbps is None for row in rows)  # a host row's time is not the device's
+
+
+def test_the_ceiling_is_the_fastest_copy_of_the_run_not_one_sizes_dip():
+    # A same-bytes copy that dips at one size (as graph-replayed copies of some sizes do)
+    # lowers neither the ceiling nor the other sizes' fraction of it; a 1 GiB copy measured
+    # once, or a floor row, sets it when faster, and it is named.
+    dipped = [
+        _measurement("triton", "kernel", 32768, 100e-6, bytes_moved=400_000_000),
+        _measurement("torch-copy", "copy", 32768, 160e-6, bytes_moved=400_000_000, does_op=False),
+        _measurement("torch-copy", "copy", 4096, 1e-6, bytes_moved=4_000_000, does_op=False),
+        _measurement("pallas-floor", "floor", 4096, 0.9e-6, framework="jax", bytes_moved=3_960_000, does_op=False),
+    ]
+    assert device_ceiling(dipped) == Ceiling(pytest.approx(4400), "pallas-floor at 4096 tokens (draft, bfloat16)")
+    assert device_ceiling(dipped, 5000, "a 1 GiB copy") == Ceiling(5000, "a 1 GiB copy")
+    assert device_ceiling(dipped[:1]) is None
+    rows = _device_table(dipped)
+    assert rows["triton", "32768"][4:7] == ["4000", "160%", "80%"]  # of the dipped copy; of the ceiling
 
 
 def test_a_failed_crashed_or_not_applicable_row_shows_why_and_no_time():
-    rows = {(cells[0], cells[2]): cells for cells in _table_rows(format_table(annotate(FIXED)))}
-    assert rows["broken", "16"][3:7] == ["-"] * 4
+    rows = _device_table()
+    assert rows["broken", "16"][3:8] == ["-"] * 5
     assert rows["broken", "16"][-1] == "FAIL: k: 3 of 10 elements outside tolerance"
     assert rows["crashed", "16"][-1] == "ERROR: RuntimeError: out of memory"
-    assert rows["pallas-mosaic", "4096"][3:] == ["-"] * 4 + [
+    assert rows["pallas-mosaic", "4096"][3:] == ["-"] * 5 + [
         "m", "n/a: Mosaic GPU takes at most 8 tokens or a multiple of 8"]
     # Not applicable is no failure: the command's exit status counts only rows that are not ok.
     assert [m.implementation for m in FIXED if not m.ok] == ["broken", "crashed"]
@@ -114,7 +168,7 @@ def test_table_separates_token_counts_by_a_blank_line():
 
 def test_csv_and_json_hold_every_row_with_its_derived_columns(tmp_path):
     meta = {"devices": {"torch": "test device"}, "tokens": [16, 4096]}
-    written = write_data(annotate(FIXED), tmp_path, meta)
+    written = write_data(annotate(FIXED, CEILING), tmp_path, meta)
     assert sorted(path.name for path in written) == ["bench.csv", "bench.json"]
     with open(tmp_path / "bench.csv", newline="") as file:
         records = list(csv.DictReader(file))
@@ -123,7 +177,12 @@ def test_csv_and_json_hold_every_row_with_its_derived_columns(tmp_path):
     assert float(triton["us"]) == pytest.approx(1.0)
     assert float(triton["gbps"]) == pytest.approx(4000)
     assert float(triton["of_copy"]) == pytest.approx(0.8)
+    assert float(triton["of_ceiling"]) == pytest.approx(0.8)
     assert float(triton["speedup"]) == pytest.approx(4.0)
+    materializer = next(r for r in records if r["implementation"] == "torch-materializer")
+    assert float(materializer["x_gemm"]) == pytest.approx(1.1) and materializer["gbps"] == ""
+    host = next(r for r in records if r["implementation"] == "triton-host")
+    assert float(host["over_launch_us"]) == pytest.approx(15.0)
     broken = next(r for r in records if r["implementation"] == "broken")
     assert broken["us"] == broken["gbps"] == "" and broken["check"].startswith("FAIL")
     document = json.loads((tmp_path / "bench.json").read_text())
@@ -134,30 +193,53 @@ def test_csv_and_json_hold_every_row_with_its_derived_columns(tmp_path):
     assert document["rows"][-1]["us"] is None and document["rows"][-1]["check"].startswith("n/a: ")
 
 
+def test_the_markdown_report_gives_the_command_devices_packages_ceiling_and_every_table():
+    meta = {"command": "fusedkv bench --tokens 16,4096 --markdown bench.md",
+            "devices": {"torch": "Test GPU", "jax": "Test GPU"},
+            "versions": {"python": "3.12.0", "torch": "2.11.0", "jax": "0.11.2"}, "ceiling": CEILING.describe()}
+    text = markdown_report(annotate(FIXED, CEILING), meta, {"draft": "5 layers"})
+    lines = text.splitlines()
+    assert lines[:5] == ["# fusedkv bench", "", "```sh", meta["command"], "```"]
+    assert "- Devices: torch: Test GPU; jax: Test GPU" in lines
+    assert "- Packages: python 3.12.0, torch 2.11.0, jax 0.11.2" in lines
+    assert "- Device copy ceiling: 5000 GB/s, torch-copy at 16 tokens (draft, bfloat16)" in lines
+    assert "## draft: 5 layers, bfloat16" in lines
+    titles = [line for line in lines if line.startswith("### ")]
+    assert [title.split(":")[0] for title in titles] == [
+        "### Kernels, floors, copies and baselines", "### Materializers", "### Host wall time per eager call, "
+        "against Triton's own launch of the compiled kernel"]
+    assert "| implementation | kind | tokens | µs | GB/s | of copy | of ceiling | speed-up | method | check |" in lines
+    assert "| triton | kernel | 16 | 1.00 | 4000 | 80% | 80% | 4.00x | m | ok |" in lines
+    assert "| torch-materializer | 16 | 11.00 | 1.100x | m | ok |" in lines
+    assert "| triton-host | host | 16 | 20.00 | 20.00x | +15.00 | m | ok |" in lines
+
+
 def _png_size(path):
     header = path.read_bytes()[:24]
     assert header[:8] == b"\x89PNG\r\n\x1a\n"
     return struct.unpack(">II", header[16:24])
 
 
-def test_plots_draw_device_rows_with_the_copy_lines_and_latency_at_small_counts(tmp_path):
+def test_plots_give_the_kernels_the_materializers_and_the_baselines_a_chart_each(tmp_path):
     pytest.importorskip("matplotlib")
-    from interop.bench.plots import plot_bandwidth, plot_latency, write_plots
+    from interop.bench.plots import baseline_series, kernel_series, latency_series, materializer_series, write_plots
 
-    rows = annotate(FIXED)
-    written = write_plots(rows, tmp_path)
-    assert [path.name for path in written] == ["bandwidth-draft-bfloat16.png", "latency-draft-bfloat16.png"]
+    rows = annotate(FIXED, CEILING)
+    written = write_plots(rows, tmp_path, CEILING)
+    assert [path.name for path in written] == ["kernels-draft-bfloat16.png", "latency-draft-bfloat16.png",
+                                               "materializers-draft-bfloat16.png", "baselines-draft-bfloat16.png"]
     assert all(_png_size(path) == (900, 500) for path in written)
 
-    bandwidth = plot_bandwidth(rows, tmp_path / "b.png", title="t")
-    assert list(bandwidth) == ["triton", "pallas", "pallas-mosaic", "torch-eager", "torch-compile", "torch-copy",
-                               "xla-copy", "torch-gemm"]
-    assert bandwidth["pallas-mosaic"] == [(16, pytest.approx(3200))]  # nothing drawn where it is n/a
-    assert bandwidth["triton"] == [(16, pytest.approx(4000)), (4096, pytest.approx(4000))]
-    assert bandwidth["torch-copy"] == [(16, pytest.approx(5000)), (4096, pytest.approx(5000))]
-    latency = plot_latency(rows, tmp_path / "l.png", title="t", max_tokens=DECODE_TOKENS)
-    assert latency["triton"] == [(16, pytest.approx(1.0))]
-    assert "triton-host" not in latency and "broken" not in latency
+    kernels = kernel_series(rows)  # fractions of the ceiling; no baseline, GEMM or host line
+    assert list(kernels) == ["triton", "pallas", "pallas-mosaic", "torch-copy", "xla-copy"]
+    assert kernels["triton"] == [(16, pytest.approx(0.8)), (4096, pytest.approx(0.8))]
+    assert kernels["pallas-mosaic"] == [(16, pytest.approx(0.64))]  # nothing drawn where it is n/a
+    assert latency_series(rows, max_tokens=DECODE_TOKENS)["triton"] == [(16, pytest.approx(1.0))]
+    assert materializer_series(rows) == {"torch-materializer": [(16, pytest.approx(1.1))]}
+    baselines = baseline_series(rows)  # the baselines' time, the kernels beside them
+    assert list(baselines) == ["torch-eager", "torch-compile", "triton", "pallas"]
+    assert baselines["torch-eager"] == [(16, pytest.approx(8.0))]
+    assert not any("host" in name or name == "broken" for series in (kernels, baselines) for name in series)
 
 
 def _parser():
@@ -229,21 +311,36 @@ def test_where_jax_alone_sees_a_device_the_command_runs_its_rows_and_writes_its_
     # The CPU stands in for the GPU: the whole path but the kernels' real timing, and few
     # calls a jit (compiling 512 calls of jnp takes a minute here).
     monkeypatch.setattr(command, "gpu_frameworks", lambda: ({"jax": "stand-in"}, ["torch sees no CUDA device"]))
-    args = _parser().parse_args(["--tokens", "4", "--only", "jnp-jit,jnp-jit-host,triton", "--quick",
-                                 "--max-calls-per-jit", "8", "--out", str(tmp_path)])
-    assert run_bench_command(args) == 0
+    markdown = tmp_path / "tables.md"
+    argv = ["--tokens", "4", "--only", "jnp-jit,jnp-jit-host,triton", "--quick", "--max-calls-per-jit", "8",
+            "--out", str(tmp_path / "out"), "--markdown", str(markdown)]
+    assert run_bench_command(_parser().parse_args(argv)) == 0
     out = capsys.readouterr().out
     assert "skipped (torch sees no CUDA device): triton" in out
-    table = out[out.index("== draft: 5 layers, 8 KV heads, head_dim 128"):]
-    assert [cells[:3] for cells in _table_rows(table.split("\n", 1)[1].split("\n\nwrote")[0])] == [
-        ["jnp-jit", "baseline", "4"], ["xla-copy", "copy", "4"], ["jnp-jit-host", "host", "4"]]
-    with open(tmp_path / "bench.csv", newline="") as file:
+    # Without torch no 1 GiB copy is measured: the run's fastest copy is the ceiling, and says so.
+    assert "device copy ceiling: " in out and "GB/s, xla-copy at 4 tokens (draft, bfloat16)" in out
+    device = out[out.index("== draft: 5 layers, 8 KV heads, head_dim 128"):]
+    assert device.splitlines()[0].endswith("bfloat16: Kernels, floors, copies and baselines: device time per call ==")
+    assert [cells[:3] for cells in _table_rows(device.split("\n", 1)[1].split("\n\n==")[0])] == [
+        ["jnp-jit", "baseline", "4"], ["xla-copy", "copy", "4"]]
+    host = out[out.index("bfloat16: Host wall time per eager call"):]
+    assert [cells[:3] for cells in _table_rows(host.split("\n", 1)[1].split("\n\nwrote")[0])] == [
+        ["jnp-jit-host", "host", "4"]]
+    with open(tmp_path / "out" / "bench.csv", newline="") as file:
         records = list(csv.DictReader(file))
     assert [r["check"] for r in records] == ["ok", "ok", "ok"]
     assert [r["method"].split(" (")[0] for r in records[:2]] == ["in-jit, 8 calls/jit"] * 2
-    assert json.loads((tmp_path / "bench.json").read_text())["meta"]["max_calls_per_jit"] == 8
-    assert {p.name for p in tmp_path.iterdir()} == {"bench.csv", "bench.json", "bandwidth-draft-bfloat16.png",
-                                                     "latency-draft-bfloat16.png"}
+    document = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert document["meta"]["max_calls_per_jit"] == 8
+    assert {p.name for p in (tmp_path / "out").iterdir()} == {
+        "bench.csv", "bench.json", "kernels-draft-bfloat16.png", "latency-draft-bfloat16.png",
+        "baselines-draft-bfloat16.png"}
+    text = markdown.read_text()
+    # The exact command, first, that makes these tables again.
+    assert text.splitlines()[3] == "fusedkv bench " + " ".join(argv[:4]) + " --out " + str(tmp_path / "out") + \
+        " --markdown " + str(markdown) + " --quick --max-calls-per-jit 8"
+    assert document["meta"]["command"] == text.splitlines()[3]
+    assert "- Devices: jax: stand-in" in text and "| jnp-jit | baseline | 4 |" in text
 
 
 def test_importing_the_bench_imports_no_framework_nor_plotting_library():
@@ -254,16 +351,29 @@ def test_importing_the_bench_imports_no_framework_nor_plotting_library():
     assert loaded.stdout.strip() == "[]"
 
 
-def test_selection_adds_each_frameworks_copy_and_skips_frameworks_without_a_gpu():
+def test_selection_adds_what_each_row_is_read_against_and_skips_frameworks_without_a_gpu():
     runnable, skipped = select(["kernel"], {"torch": "gpu"})
     assert [i.name for i in runnable] == ["triton", "torch-copy"]
     assert [i.name for i in skipped] == ["pallas", "pallas-mosaic"]
     runnable, skipped = select(["interop"], {"torch": "gpu", "jax": "gpu"})
     assert [i.name for i in runnable] == ["interop-torch", "interop-jax", "interop-jax-to-torch",
-                                          "interop-torch-to-jax"]
+                                          "interop-torch-to-jax", "triton-launch"]
     assert skipped == []
+    # A materializer is read against its own GEMM, not against a copy.
+    runnable, _ = select(["jax-materializer-cache", "torch-reference-flow"], {"torch": "gpu", "jax": "gpu"})
+    assert [i.name for i in runnable] == ["torch-gemm", "torch-reference-flow", "jax-gemm", "jax-materializer-cache"]
+    # Triton's own launch needs torch's GPU: where jax alone has one, host rows go without it.
+    runnable, skipped = select(["jnp-jit-host"], {"jax": "gpu"})
+    assert [i.name for i in runnable] == ["jnp-jit-host"] and skipped == []
     with pytest.raises(ValueError, match=r"unknown implementations or kinds \['nope'\]"):
         select(["nope"], {"torch": "gpu"})
+
+
+def test_every_materializer_row_names_its_frameworks_gemm_row():
+    materializers = [i for i in IMPLEMENTATIONS if i.kind == "materializer" and not i.name.endswith("-gemm")]
+    assert {i.name: i.gemm for i in materializers} == {
+        "torch-materializer": "torch-gemm", "torch-materializer-cache": "torch-gemm",
+        "torch-reference-flow": "torch-gemm", "jax-materializer": "jax-gemm", "jax-materializer-cache": "jax-gemm"}
 
 
 def test_every_kind_has_a_name_of_its_own_and_host_rows_run_at_decode_sizes_only():
@@ -516,9 +626,9 @@ def _unwritten_calls(workload):
     """An eager call that writes nothing into the outputs it is given."""
     prepared = BY_NAME["pallas-host"].prepare(workload)
     from interop.bench.check import op_verdict
-    from interop.bench.registry import _nan_pair
+    from interop.bench.rows import nan_pair
 
-    outputs = _nan_pair(workload, "jax")
+    outputs = nan_pair(workload, "jax")
     return Calls(lambda i: outputs, prepared.sets, prepared.bytes_moved,
                  lambda: op_verdict(*outputs, *workload.op_args(0, "jax"), static=workload.shape.static()))
 
@@ -553,9 +663,11 @@ def test_a_raising_implementation_is_recorded_and_the_run_goes_on():
 
 
 # torch.compile's CPU compilation alone takes about 30 s; on the GPU it is checked with the
-# rest. pallas-mosaic takes no TINY shape (its own tests above).
-CHECKED_HERE = [i for i in IMPLEMENTATIONS
-                if (ON_GPU or "torch-compile" not in i.name) and i.name != "pallas-mosaic"]
+# rest. pallas-mosaic takes no TINY shape (its own tests above); Triton's own launch needs a
+# compiled kernel (its own test below).
+CHECKED_HERE = [i for i in IMPLEMENTATIONS if (ON_GPU or i.name not in ("torch-compile", "torch-compile-host",
+                                                                         "triton-launch"))
+                and i.name != "pallas-mosaic"]
 
 
 @pytest.mark.parametrize("implementation", CHECKED_HERE, ids=[i.name for i in CHECKED_HERE])
@@ -569,7 +681,8 @@ def test_every_implementation_passes_its_check_on_small_inputs(implementation):
                         set_count=3)
     prepared = implementation.prepare(workload)
     if isinstance(prepared, Steps):
-        run_chain = chained_calls(prepared.step, 4, len(prepared.varying), fresh_outputs=prepared.fresh_outputs)
+        run_chain = chained_calls(prepared.step, 4, len(prepared.varying), fresh_outputs=prepared.fresh_outputs,
+                                  shift_inputs=prepared.shift_inputs)
         outputs, _ = run_chain(prepared.fixed, prepared.varying, prepared.new_outputs(), jax.numpy.zeros(4))
         assert prepared.check(outputs, 3 % len(prepared.varying)) == "ok"
     else:
@@ -583,6 +696,271 @@ def test_on_a_gpu_the_command_times_the_kernels_and_writes_its_files(tmp_path, c
     args = _parser().parse_args(["--tokens", "16", "--only", "kernel", "--quick", "--out", str(tmp_path)])
     assert run_bench_command(args) == 0
     table = capsys.readouterr().out
-    assert re.search(r"^triton\s+kernel\s+16\s+\d+\.\d\d\s+\d+\s+\d+%", table, re.MULTILINE)
-    assert {path.name for path in tmp_path.iterdir()} >= {"bench.csv", "bench.json", "bandwidth-draft-bfloat16.png",
+    assert re.search(r"^triton\s+kernel\s+16\s+\d+\.\d\d\s+\d+\s+\d+%\s+\d+%", table, re.MULTILINE)
+    assert "device copy ceiling: " in table and "a 1 GiB torch copy" in table
+    assert {path.name for path in tmp_path.iterdir()} >= {"bench.csv", "bench.json", "kernels-draft-bfloat16.png",
                                                           "latency-draft-bfloat16.png"}
+
+
+# --- the materializers' GEMM rows: the very call each materializer makes -------------------
+
+
+def _torch_device():
+    return "cuda" if ON_GPU else "cpu"
+
+
+def test_the_torch_gemm_row_makes_the_gemm_call_of_each_materializer_row_on_the_same_sets(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from interop.bench import workload as workload_module
+    from interop.bench.workload import Workload
+
+    # A cache this small gives a row moving fewer bytes more input sets: the GEMM alone would
+    # rotate over other sets than its materializer, unless they share theirs.
+    monkeypatch.setattr(workload_module, "l2_bytes", lambda: 8000)
+    workload = Workload(TINY, 5, "bfloat16", framework="torch", torch_device=_torch_device(), set_count=4)
+    calls, mm = [], torch.mm
+
+    def recording(*args, **kwargs):
+        calls.append([(t.data_ptr(), tuple(t.shape), t.stride()) for t in (*args, *kwargs.values())])
+        return mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "mm", recording)
+
+    def gemm_calls(name):
+        prepared = BY_NAME[name].prepare(workload)
+        calls.clear()
+        for i in range(prepared.sets):
+            prepared.call(i)
+        return prepared.sets, list(calls)
+
+    sets, gemm = gemm_calls("torch-gemm")
+    assert sets == 2 and len(gemm) == sets  # one GEMM a call, on the materializer's own workspace
+    for name in ("torch-materializer", "torch-materializer-cache", "torch-reference-flow"):
+        assert gemm_calls(name) == (sets, gemm), name
+
+
+def _dot_generals(jaxpr) -> list:
+    """Every ``dot_general`` of a jaxpr and of the jaxprs inside it: its parameters and operand types."""
+    found = []
+    for equation in jaxpr.eqns:
+        if equation.primitive.name == "dot_general":
+            found.append((str(sorted(equation.params.items())), [str(v.aval) for v in equation.invars]))
+        for param in equation.params.values():
+            for inner in param if isinstance(param, (list, tuple)) else (param,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    found += _dot_generals(inner)
+    return found
+
+
+def test_the_jax_gemm_row_runs_its_materializers_projection_fed_and_sized_alike(monkeypatch):
+    jax = pytest.importorskip("jax")
+    from interop.bench import runner
+    from interop.bench.workload import Workload
+
+    # Estimates slow enough that a GEMM and its materializer, each sized by its own bytes,
+    # would hold different numbers of calls a jit.
+    monkeypatch.setattr(runner, "ESTIMATED_BYTES_PER_SECOND", 3e8)
+    effort = dataclasses.replace(ONCE, max_calls_per_jit=64)
+    workload = Workload(TINY, 5, "bfloat16", framework="jax", set_count=3)
+    gemm = BY_NAME["jax-gemm"].prepare(workload)
+    gemm_dots = _dot_generals(jax.make_jaxpr(gemm.step)(gemm.fixed, gemm.varying[0], gemm.new_outputs()).jaxpr)
+    assert len(gemm_dots) == 1
+    for name in ("jax-materializer", "jax-materializer-cache"):
+        row = BY_NAME[name].prepare(workload)
+        assert [v[0] for v in row.varying] == [v[0] for v in gemm.varying]  # the same ctx_hidden arrays
+        assert row.fixed is gemm.fixed  # the same materializer, so the same weights
+        assert runner.jit_calls(row, effort) == runner.jit_calls(gemm, effort)
+        assert row.shift_inputs is gemm.shift_inputs is True  # hidden + the chain's zero, in both
+        dots = _dot_generals(jax.make_jaxpr(row.step)(row.fixed, row.varying[0], row.new_outputs()).jaxpr)
+        assert dots == gemm_dots, name
+
+
+# --- host rows: Triton's own launch -------------------------------------------------------
+
+
+def test_the_launch_capture_records_the_compiled_kernel_its_grid_and_arguments_and_still_launches():
+    from interop.bench.registry import captured_launches
+
+    launched = []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((grid, args, kwargs))
+
+    kernel = Compiled()
+    seen = captured_launches(lambda: kernel[(4, 1, 1)](1, 2, stream=None), kernel_class=Compiled)
+    assert seen == [(kernel, (4, 1, 1), (1, 2), {"stream": None})]
+    assert launched == [((4, 1, 1), (1, 2), {"stream": None})]
+    kernel[(2, 1, 1)](3)
+    assert len(seen) == 1 and len(launched) == 2  # the class is as it was
+
+
+@pytest.mark.skipif(ON_GPU, reason="interpreted, the Triton kernel has no compiled launch")
+def test_tritons_own_launch_is_not_applicable_where_the_kernel_is_interpreted():
+    pytest.importorskip("torch")
+    from interop.bench.runner import measure
+    from interop.bench.workload import Workload
+
+    workload = Workload(TINY, 3, "bfloat16", framework="torch", torch_device="cpu", set_count=2)
+    measurement = measure(BY_NAME["triton-launch"], workload, ONCE, shape=TINY, total_ctx=3, dtype="bfloat16")
+    assert measurement.check == ("n/a: the Triton call launched no compiled kernel of its own (interpreted, "
+                                 "or launched through kernel[grid])")
+    assert measurement.ok and measurement.seconds is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="launches the compiled kernel")
+def test_on_a_gpu_tritons_own_launch_writes_the_ops_outputs_and_is_timed():
+    from interop.bench.runner import measure
+    from interop.bench.workload import Workload
+
+    workload = Workload(TINY, 3, "bfloat16", framework="torch", set_count=2)
+    measurement = measure(BY_NAME["triton-launch"], workload, ONCE, shape=TINY, total_ctx=3, dtype="bfloat16")
+    assert measurement.check == "ok" and measurement.seconds is not None
+
+
+def test_the_host_option_runs_the_eager_rows_at_decode_size_against_tritons_launch():
+    from interop.bench.command import token_counts, words_to_run
+
+    args = _parser().parse_args(["--host"])
+    assert words_to_run(args) == ["host", "interop"] and token_counts(args) == [16]
+    runnable, _ = select(words_to_run(args), {"torch": "gpu", "jax": "gpu"})
+    assert {i.clock for i in runnable} == {"host"}
+    assert [i.name for i in runnable][:6] == ["interop-torch", "interop-jax", "interop-jax-to-torch",
+                                              "interop-torch-to-jax", "triton-launch", "triton-host"]
+    assert token_counts(_parser().parse_args(["--host", "--tokens", "4,1"])) == [1, 4]
+    assert words_to_run(_parser().parse_args(["--host", "--only", "triton-host"])) == ["triton-host"]
+    assert words_to_run(_parser().parse_args([])) is None  # every row
+
+
+# --- the sweep: tiles and forms -----------------------------------------------------------
+
+
+def test_sweep_and_forms_take_tiles_and_forms_and_refuse_others(capsys):
+    from interop.bench import sweep
+
+    assert _parser().parse_args(["--sweep"]).sweep == sweep.DEFAULT_TILES
+    args = _parser().parse_args(["--sweep", "d,1x8x2,1x8x2", "--forms", "pp,1p"])
+    assert (args.sweep, args.forms) == (("d", "1x8x2"), ("pp", "1p"))
+    for option, bad, expected in (("--sweep", "3x8x2", "expected comma-separated tiles"),
+                                  ("--sweep", "1x8", "expected comma-separated tiles"),
+                                  ("--forms", "2p", "expected comma-separated two-letter forms"),
+                                  ("--forms", "ppp", "expected comma-separated two-letter forms")):
+        with pytest.raises(SystemExit) as exit_info:
+            _parser().parse_args([option, bad])
+        assert exit_info.value.code == 2
+        assert f"argument {option}: got {bad!r}, {expected}" in capsys.readouterr().err
+
+
+def test_sweep_rows_are_named_by_kernel_form_and_tile_and_run_beside_the_default_kernels():
+    from interop.bench import sweep
+    from interop.bench.command import words_to_run
+
+    rows = sweep.implementations(("d", "1x2x1"), None)
+    assert [i.name for i in rows] == ["triton-d", "triton-1x2x1", "pallas-d", "pallas-1x2x1"]
+    assert [i.name for i in sweep.implementations(("d",), ("pp", "1p"))] == ["pallas-pp-d", "pallas-1p-d"]
+    assert {i.kind for i in rows} == {"sweep"}
+    assert words_to_run(_parser().parse_args(["--sweep"])) == ["triton", "pallas"]
+    runnable, _ = select(["triton", "pallas"], {"torch": "gpu", "jax": "gpu"}, extra=rows)
+    assert [i.name for i in runnable] == ["triton", "pallas", "torch-copy", "xla-copy", "triton-d",
+                                          "triton-1x2x1", "pallas-d", "pallas-1x2x1"]
+
+
+def test_a_triton_tile_row_passes_its_tile_to_the_public_call_and_is_checked(monkeypatch):
+    pytest.importorskip("torch")
+    import fusedkv_torch
+    from interop.bench import sweep
+    from interop.bench.rows import NotApplicable
+    from interop.bench.workload import Workload
+
+    seen, public = [], fusedkv_torch.fused_kv_norm_rope
+
+    def recording(*args, **kwargs):
+        seen.append({k: kwargs[k] for k in ("block_tokens", "block_heads", "num_warps") if k in kwargs})
+        return public(*args, **kwargs)
+
+    monkeypatch.setattr(fusedkv_torch, "fused_kv_norm_rope", recording)
+    workload = Workload(TINY, 5, "bfloat16", framework="torch", torch_device=_torch_device(), set_count=2)
+    (row,) = sweep.implementations(("2x2x1",), None)[:1]
+    assert row.prepare(workload).check() == "ok"
+    assert seen == [dict(block_tokens=2, block_heads=2, num_warps=1)]
+    (wide,) = sweep.implementations(("1x4x1",), None)[:1]
+    with pytest.raises(NotApplicable, match="the Triton kernel's block_heads must divide the 2 heads"):
+        wide.prepare(workload)
+
+
+def test_a_form_forces_the_pallas_kernels_rules_while_it_traces_and_is_checked():
+    jax = pytest.importorskip("jax")
+    from fusedkv_jax import kernel
+    from interop.bench import sweep
+    from interop.bench.timers import chained_calls
+    from interop.bench.workload import Workload
+
+    rules = (kernel.loops_over_layers, kernel.loads_k_rows)
+    with sweep.forced("10"):
+        assert kernel.loops_over_layers(16, 2, 2, 32, interpret=True) is True
+        assert kernel.loads_k_rows(TINY.config) is False
+    assert (kernel.loops_over_layers, kernel.loads_k_rows) == rules
+    workload = Workload(TINY, 5, "bfloat16", framework="jax", set_count=2)
+    (row,) = sweep.implementations(("d",), ("1p",))
+    prepared = row.prepare(workload)
+    chain = chained_calls(prepared.step, 2, len(prepared.varying))
+    outputs, _ = chain(prepared.fixed, prepared.varying, prepared.new_outputs(), jax.numpy.zeros(2))
+    assert prepared.check(outputs, 1) == "ok"
+    assert (kernel.loops_over_layers, kernel.loads_k_rows) == rules
+
+
+# --- alternated rounds, cache slots, the recorded command -----------------------------------
+
+
+def test_rounds_time_every_row_once_a_round_in_alternating_order_and_report_the_median(monkeypatch):
+    pytest.importorskip("jax")
+    from interop.bench import runner
+
+    order, seconds = [], {"a": [3e-6, 1e-6, 2e-6], "b": [5e-6, 4e-6, 6e-6]}
+
+    def timed(call, sets, **options):
+        name = call(0)
+        order.append(name)
+        return seconds[name][order.count(name) - 1]
+
+    monkeypatch.setattr(runner, "host_seconds_per_call", timed)
+
+    def rows(name, verdict="ok"):
+        return Implementation(name, "jax", "host", lambda workload: Calls(lambda i: name, 1, 0, lambda: verdict),
+                              clock="host")
+
+    measured = run(plan([TINY], [3], [rows("a"), rows("b"), rows("c", "FAIL: wrong")]), dtype="bfloat16",
+                   framework="jax", effort=ONCE, rounds=3)
+    assert order == ["a", "b", "b", "a", "a", "b"]  # the failing row is never timed
+    a, b, c = measured
+    assert (a.seconds, a.rounds) == (2e-6, (3e-6, 1e-6, 2e-6)) and b.seconds == 5e-6
+    assert a.method == "host loop, 3 calls, median of 3 rounds (1.00-3.00 us)"
+    assert c.check == "FAIL: wrong" and c.seconds is None
+
+
+def test_cache_slots_are_distinct_and_inside_the_cache():
+    pytest.importorskip("jax")
+    from interop.bench.workload import Workload
+
+    workload = Workload(TINY, 7, "bfloat16", framework="jax", set_count=2)
+    assert workload.num_slots == 14
+    for index in range(2):
+        slots = np.asarray(workload.slots(index, "jax"))
+        assert slots.dtype == np.int32 and len(set(slots.tolist())) == 7
+        assert 0 <= slots.min() and slots.max() < workload.num_slots
+
+
+def test_the_recorded_command_line_parses_back_to_the_same_options():
+    import shlex
+
+    from interop.bench.command import command_line
+
+    argv = ["--shape", "all", "--tokens", "16,4", "--host", "--sweep", "--forms", "1p", "--rounds", "3",
+            "--markdown", "my tables.md", "--quick"]
+    args = _parser().parse_args(argv)
+    line = command_line(args)
+    assert line.startswith("fusedkv bench --tokens 4,16 --shape all --host --sweep --forms 1p --rounds 3 ")
+    assert vars(_parser().parse_args(shlex.split(line)[2:])) == vars(args)
+    assert command_line(_parser().parse_args([])) == "fusedkv bench"

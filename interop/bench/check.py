@@ -103,23 +103,30 @@ def projection_verdict(kv, ctx_hidden, layers) -> str:
     return "ok" if result.ok else "FAIL: " + result.report()
 
 
-def end_to_end_verdict(k, v, layers, ctx_hidden, positions) -> str:
+def end_to_end_verdict(k, v, layers, ctx_hidden, positions, *, slots=None) -> str:
     """``'ok'``, or what is wrong with ``(k, v)``, a materializer's outputs for ``ctx_hidden``.
 
     Against the materializer's fp32 NumPy path (:func:`interop.core.materializer.materializer_reference`)
     under :data:`~interop.testing.END_TO_END_TOLERANCE`: checking against the op's reference
     on a second GEMM of the same inputs would hold the GEMM to its own rounding, which XLA
-    may reach by another algorithm in another compilation.
+    may reach by another algorithm in another compilation. ``slots``: ``k`` and ``v`` are
+    paged caches holding token ``t`` at slot ``slots[t]``; only the sampled tokens' slots
+    are read (the other slots are the cache's, not the call's).
     """
-
-    unwritten = count_nan(k) + count_nan(v)
+    rows = checked_rows(int(ctx_hidden.shape[0]))
+    if slots is None:
+        unwritten = count_nan(k) + count_nan(v)
+        got = take_rows(k, rows, 1), take_rows(v, rows, 1)
+    else:
+        at = take_rows(slots, rows, 0)
+        got = take_rows(k, at, 1), take_rows(v, at, 1)
+        unwritten = count_nan(got[0]) + count_nan(got[1])
     if unwritten:
         return f"FAIL: {unwritten} elements unwritten (NaN)"
-    rows = checked_rows(int(k.shape[1]))
     k_expected, v_expected = materializer_reference(layers, take_rows(ctx_hidden, rows, 0),
                                                     take_rows(positions, rows, 0))
-    for name, got, expected in (("k", k, k_expected), ("v", v, v_expected)):
-        result = compare(take_rows(got, rows, 1), expected, name=name, tolerance=END_TO_END_TOLERANCE)
+    for name, sampled, expected in (("k", got[0], k_expected), ("v", got[1], v_expected)):
+        result = compare(sampled, expected, name=name, tolerance=END_TO_END_TOLERANCE)
         if not result.ok:
             return "FAIL: " + result.report()
     return "ok"

@@ -1,4 +1,5 @@
-"""``fusedkv bench``: time every implementation of the op on this GPU, print a table, write CSV, JSON and plots.
+"""``fusedkv bench``: time every implementation of the op on this GPU, print tables, write CSV, JSON,
+plots and (``--markdown``) the tables as markdown.
 
 The console command wires it in with :func:`add_bench_arguments` (on its ``bench``
 subparser) and :func:`run_bench_command`; ``python -m interop.bench`` runs it alone.
@@ -15,27 +16,40 @@ import importlib.metadata
 import importlib.util
 import logging
 import pathlib
+import platform
+import shlex
 import sys
 
+from interop.bench import sweep
 from interop.bench.registry import BY_NAME, KINDS, select, unknown_words
 from interop.bench.shapes import DEFAULT_TOKENS, DTYPES, QUICK_TOKENS, SHAPES
 
 DESCRIPTION = """\
 Time every implementation of the fused KV op on this GPU, in one process: the Triton
 kernel (torch) and the Pallas kernel (jax) on its Triton lowering (pallas) and on Mosaic
-GPU (pallas-mosaic: n/a where Mosaic GPU has no kernel); the reference math in eager
-PyTorch, under torch.compile and as jnp under jax.jit; a device copy of the same bytes
-in each framework (the ceiling); both materializers (GEMM alone, and end to end);
-interop's calls, in one framework and crossing; and eager calls timed on the host.
+GPU (pallas-mosaic: n/a where Mosaic GPU has no kernel); the Pallas kernel's data
+movement alone (its floors); the reference math in eager PyTorch, under torch.compile
+and as jnp under jax.jit (the baselines); a device copy of the same bytes in each
+framework; both materializers (each one's GEMM call alone, end to end, into a paged
+cache, and the flow it replaces); interop's calls; and eager calls timed on the host,
+beside Triton's own launch of the compiled kernel.
 
 Inputs are random, outputs poisoned, and every implementation is checked against the
 interop reference (K within tolerance, V bit for bit) before it is timed; one that fails
 is marked and not timed. Device time: CUDA-graph replay for torch, many calls inside one
 jit for jax (about 1 ms of estimated device work a jit); medians; inputs rotated where
-they would fit in L2. Bandwidth counts 2 * kv.nbytes (read kv, write K and V).
+they would fit in L2. Bandwidth counts 2 * kv.nbytes (read kv, write K and V), against a
+same-bytes copy ("of copy") and against the device's copy ceiling ("of ceiling": the
+highest of a 1 GiB copy and every copy and floor row of the run, named in the output).
 
-Writes bench.csv, bench.json and PNG plots (bandwidth against tokens, latency at small
-token counts) to --out; prints the table last."""
+--host times the eager calls alone (16 tokens unless --tokens says otherwise); --sweep
+and --forms add the kernels' tiles and the Pallas kernel's forms as rows of their own;
+--rounds times every row in alternated rounds. Writes bench.csv, bench.json and PNG
+plots (the kernels against the ceiling, their latency at small token counts, the
+materializers against their GEMM, the baselines) to --out; prints the tables last."""
+
+HOST_TOKENS = (16,)
+ONE_GIB_COPY = "a 1 GiB torch copy (do_bench median)"
 
 REFUSAL = "fusedkv bench: no GPU here ({reasons}); it times GPU kernels, so there is nothing to measure."
 
@@ -86,10 +100,31 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="dtype of kv and outputs (default: bfloat16)")
     parser.add_argument("--only", type=_word_list, default=None,
                         help=f"comma-separated implementations or kinds to run (default: all); kinds: "
-                             f"{', '.join(KINDS)}; implementations: {', '.join(BY_NAME)}. The copy of each "
-                             "framework timed on the device is always added (the fraction-of-copy column)")
+                             f"{', '.join(KINDS)}; implementations: {', '.join(BY_NAME)}. What a row is read "
+                             "against is always added: its framework's copy, a materializer's GEMM, "
+                             "Triton's own launch under host rows")
+    parser.add_argument("--host", action="store_true",
+                        help="the host-cost table: every eager entry point's host wall per call against "
+                             "Triton's own launch of the same compiled kernel (the host and interop rows; "
+                             f"tokens {','.join(map(str, HOST_TOKENS))} unless --tokens is given)")
+    parser.add_argument("--sweep", type=sweep.tile_list, nargs="?", const=sweep.DEFAULT_TILES, default=None,
+                        metavar="TILES",
+                        help="add a row per tile of each kernel, BLOCK_TOKENSxBLOCK_HEADSxNUM_WARPS or d (the "
+                             f"kernel's own), comma-separated (default: {','.join(sweep.DEFAULT_TILES)}); "
+                             "without --only, beside the triton and pallas rows alone")
+    parser.add_argument("--forms", type=sweep.form_list, default=None, metavar="FORMS",
+                        help="add a row per form of the Pallas kernel (at each --sweep tile, else its own), "
+                             "two letters each: a program takes every layer, then K is loaded as whole rows; "
+                             "1 forced on, 0 off, p the kernel's rule (pp: the production kernel)")
+    parser.add_argument("--rounds", type=_positive_int, default=1, metavar="N",
+                        help="check every row of a size, then time each N times in alternated order and report "
+                             "the median (default: 1); the rows of a size are held ready together, so at the "
+                             "largest sizes run fewer of them")
     parser.add_argument("--out", default="bench-results",
                         help="directory for bench.csv, bench.json and the plots (default: bench-results)")
+    parser.add_argument("--markdown", default=None, metavar="PATH",
+                        help="also write the tables as markdown to PATH, under the command line, devices, "
+                             "packages and ceiling that produced them")
     parser.add_argument("--quick", action="store_true",
                         help="four token counts and fewer samples per row (a few minutes for one shape)")
     parser.add_argument("--max-calls-per-jit", type=_positive_int, default=None, metavar="N",
@@ -131,7 +166,7 @@ def gpu_frameworks() -> tuple[dict[str, str], list[str]]:
 
 
 def _versions() -> dict[str, str]:
-    versions = {}
+    versions = {"python": platform.python_version()}
     for package in ("torch", "triton", "jax", "jaxlib", "numpy"):
         try:
             versions[package] = importlib.metadata.version(package)
@@ -140,44 +175,98 @@ def _versions() -> dict[str, str]:
     return versions
 
 
+def command_line(args: argparse.Namespace) -> str:
+    """The ``fusedkv bench`` command that runs as ``args`` do: every option not at its default."""
+    defaults = vars(add_bench_arguments(argparse.ArgumentParser()).parse_args([]))
+    words = ["fusedkv bench"]
+    for dest, default in defaults.items():
+        value, option = getattr(args, dest, default), "--" + dest.replace("_", "-")
+        if value == default:
+            continue
+        if value is True or (dest == "sweep" and value == sweep.DEFAULT_TILES):
+            words.append(option)
+        else:
+            words += [option, shlex.quote(",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value))]
+    return " ".join(words)
+
+
+def words_to_run(args: argparse.Namespace) -> list[str] | None:
+    """The registry rows to run: ``--only``'s, or those ``--host`` and ``--sweep`` compare, or all."""
+    if args.only is not None or not (args.host or args.sweep or args.forms):
+        return args.only
+    return (["host", "interop"] if args.host else []) + (["triton", "pallas"] if args.sweep or args.forms else [])
+
+
+def token_counts(args: argparse.Namespace) -> list[int]:
+    """``--tokens``, or the defaults of ``--host`` alone, ``--quick`` or a full run."""
+    if args.tokens:
+        return list(args.tokens)
+    if args.host and not (args.sweep or args.forms):
+        return list(HOST_TOKENS)
+    return list(QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
+
+
+def _copy_ceiling(found: dict[str, str]) -> tuple[float | None, str]:
+    """A 1 GiB device copy's GB/s, measured once, where torch sees the GPU (else None), and how."""
+    if "torch" not in found:
+        return None, ""
+    from interop.bench.timers import copy_bytes_per_second
+
+    try:
+        return copy_bytes_per_second() / 1e9, ONE_GIB_COPY
+    except Exception as error:  # the copy and floor rows of the run still give a ceiling
+        print(f"the 1 GiB copy failed ({type(error).__name__}: {error}); the ceiling is the run's copies'",
+              file=sys.stderr)
+        return None, ""
+
+
 def run_bench_command(args: argparse.Namespace) -> int:
     """Run the bench with the options of :func:`add_bench_arguments`; returns the exit status."""
     found, reasons = gpu_frameworks()
     if not found:
         print(REFUSAL.format(reasons="; ".join(reasons)), file=sys.stderr)
         return 2
-    implementations, skipped = select(args.only, found)
+    extra = sweep.implementations(args.sweep or ("d",), args.forms) if args.sweep or args.forms else []
+    implementations, skipped = select(words_to_run(args), found, extra=extra)
     if not implementations:
         print(f"fusedkv bench: nothing to run: {', '.join(i.name for i in skipped)} need a framework "
               f"that sees no GPU here ({'; '.join(reasons)})", file=sys.stderr)
         return 2
 
-    from tqdm import tqdm
-
-    from interop.bench.report import annotate, write_data
-    from interop.bench.runner import FULL, QUICK, plan, run
+    from interop.bench.runner import FULL, QUICK
 
     shapes = list(SHAPES.values()) if args.shape == "all" else [SHAPES[args.shape]]
-    tokens = list(args.tokens or (QUICK_TOKENS if args.quick else DEFAULT_TOKENS))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    errors_log = out / "errors.log"
-    errors_log.unlink(missing_ok=True)
-    devices = sorted(set(found.values()))
     effort = QUICK if args.quick else FULL
     if args.max_calls_per_jit is not None:
         effort = dataclasses.replace(effort, max_calls_per_jit=args.max_calls_per_jit)
-    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    meta = dict(command=command_line(args),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 devices=found, versions=_versions(), shapes=[s.name for s in shapes], dtype=args.dtype,
-                tokens=tokens, quick=args.quick, max_calls_per_jit=effort.max_calls_per_jit,
-                implementations=[i.name for i in implementations])
-    print(f"fusedkv bench on {', '.join(devices)} ({', '.join(f'{k} {v}' for k, v in meta['versions'].items())}): "
-          f"{', '.join(meta['shapes'])}, {args.dtype}, tokens {','.join(map(str, tokens))}; "
-          f"results in {out}/", flush=True)
+                tokens=token_counts(args), quick=args.quick, rounds=args.rounds,
+                max_calls_per_jit=effort.max_calls_per_jit, implementations=[i.name for i in implementations])
+    print(f"fusedkv bench on {', '.join(sorted(set(found.values())))} "
+          f"({', '.join(f'{k} {v}' for k, v in meta['versions'].items())}): {', '.join(meta['shapes'])}, "
+          f"{args.dtype}, tokens {','.join(map(str, meta['tokens']))}; results in {out}/", flush=True)
     if skipped:
         print(f"skipped ({'; '.join(reasons)}): {', '.join(i.name for i in skipped)}", flush=True)
+    copy = _copy_ceiling(found) if any(i.clock == "device" for i in implementations) else (None, "")
+    measurements = _measure(shapes, implementations, meta, effort, out, copy,
+                            framework="torch" if "torch" in found else "jax")
+    return _report(measurements, out, meta, copy, markdown=args.markdown)
 
-    tasks = plan(shapes, tokens, implementations)
+
+def _measure(shapes, implementations, meta: dict, effort, out: pathlib.Path, copy: tuple, *, framework: str):
+    """Every row, behind a progress bar; the files rewritten after each size."""
+    from tqdm import tqdm
+
+    from interop.bench.report import write_data
+    from interop.bench.runner import plan, run
+
+    errors_log = out / "errors.log"
+    errors_log.unlink(missing_ok=True)
+    tasks = plan(shapes, meta["tokens"], implementations)
     # Redrawn often on a terminal, rarely into a log (each redraw is a line of it).
     with tqdm(total=len(tasks), unit="row", desc="fusedkv bench", dynamic_ncols=True, file=sys.stderr,
               mininterval=0.5 if sys.stderr.isatty() else 10) as bar:
@@ -186,23 +275,37 @@ def run_bench_command(args: argparse.Namespace) -> int:
                 log.write(f"== {failed.shape}, {failed.tokens} tokens, {failed.implementation} ==\n{trace}\n")
             bar.write(f"{failed.implementation} at {failed.tokens} tokens: {failed.error} (see {errors_log})")
 
-        measurements = run(tasks, dtype=args.dtype, framework="torch" if "torch" in found else "jax",
-                           effort=effort, progress=bar, on_error=on_error,
-                           on_size_done=lambda so_far: write_data(annotate(so_far), out, meta))
-
-    return _report(measurements, out, meta)
+        return run(tasks, dtype=meta["dtype"], framework=framework, effort=effort, rounds=meta["rounds"],
+                   progress=bar, on_error=on_error,
+                   on_size_done=lambda so_far: write_data(_annotated(so_far, copy, meta)[0], out, meta))
 
 
-def _report(measurements, out: pathlib.Path, meta: dict) -> int:
+def _annotated(measurements, copy: tuple, meta: dict):
+    """The rows with their derived columns, the ceiling recorded in ``meta``."""
+    from interop.bench.report import annotate, device_ceiling
+
+    ceiling = device_ceiling(measurements, *copy)
+    meta["ceiling"] = None if ceiling is None else ceiling.describe()
+    return annotate(measurements, ceiling), ceiling
+
+
+def _report(measurements, out: pathlib.Path, meta: dict, copy: tuple, *, markdown: str | None) -> int:
     """Print the tables, write the files, and return the exit status."""
     from interop.bench.plots import write_plots
-    from interop.bench.report import annotate, format_table, groups, write_data
+    from interop.bench.report import format_table, groups, markdown_report, sections, write_data
 
-    rows = annotate(measurements)
+    rows, ceiling = _annotated(measurements, copy, meta)
+    print(f"\ndevice copy ceiling: {meta['ceiling'] or 'none measured'}")
     for (shape, dtype), group in groups(rows).items():
-        print(f"\n== {shape}: {SHAPES[shape].description}, {dtype} ==")
-        print(format_table(group))
-    written = write_data(rows, out, meta) + write_plots(rows, out)
+        for section, taken in sections(group):
+            print(f"\n== {shape}: {SHAPES[shape].description}, {dtype}: {section.title} ==")
+            print(format_table(taken, section.columns, fastest_first=section.fastest_first))
+    written = write_data(rows, out, meta) + write_plots(rows, out, ceiling)
+    if markdown:
+        path = pathlib.Path(markdown)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(markdown_report(rows, meta, {name: s.description for name, s in SHAPES.items()}))
+        written.append(path)
     print(f"\nwrote {', '.join(str(path) for path in written)}")
     failed = [m for m in measurements if not m.ok]
     if failed:

@@ -1,50 +1,90 @@
-"""PNG plots of a run (matplotlib's Agg renderer, no display needed), about 900 x 500 pixels.
+"""PNG plots of a run (matplotlib's Agg renderer, imported only here and only to draw), about
+900 x 500 pixels, per shape and dtype, each of a few lines against tokens (log scale):
 
-* bandwidth: achieved GB/s against tokens (log scale) for every implementation timed on
-  the device, the copy of the same bytes in each framework as a dashed line;
-* latency: device time against tokens at the small token counts (decode sizes).
+* ``kernels-*``: the kernels, the Pallas floors and the same-bytes copies as a fraction of
+  the device's copy ceiling (a line at 1, the ceiling named in the axis label);
+* ``latency-*``: the same rows' device time at decode sizes, where bandwidth means little;
+* ``materializers-*``: each materializer's time over its own GEMM call's alone (a line at 1);
+* ``baselines-*``: the baselines' device time beside the two kernels'.
 
-Host rows are left out of both: their time is the host's, not the device's.
+Host rows are in none: their time is the host's, not the device's.
 """
 
 from __future__ import annotations
 
 import pathlib
 
-from interop.bench.report import Annotated, groups
+from interop.bench.report import Annotated, Ceiling, groups
 from interop.bench.shapes import DECODE_TOKENS, SHAPES
 
 FIGURE_INCHES = (9, 5)
 DPI = 100
 KIND_STYLES = {
     "kernel": dict(linestyle="-", marker="o", linewidth=2.4),
-    "baseline": dict(linestyle="--", marker="s", linewidth=1.4),
-    "materializer": dict(linestyle=":", marker="^", linewidth=1.4),
-    "interop": dict(linestyle="-.", marker="v", linewidth=1.2),
-    "copy": dict(linestyle=(0, (6, 3)), marker="", linewidth=1.6),
+    "floor": dict(linestyle=":", marker="^", linewidth=1.6),
+    "baseline": dict(linestyle="--", marker="s", linewidth=1.6),
+    "materializer": dict(linestyle="-", marker="D", linewidth=1.8),
 }
-COPY_COLORS = ("black", "dimgray")
+# One framework's copy against the other's: grey, dashed apart.
+COPY_STYLES = (dict(linestyle=(0, (6, 3)), linewidth=1.4, color="dimgray"),
+               dict(linestyle=(0, (2, 2)), linewidth=1.4, color="darkgray"))
+# The kernels drawn beside the baselines, thin, for scale.
+REFERENCE_STYLE = dict(linestyle="-", marker="", linewidth=1.0, color="silver")
+OP_KINDS = ("kernel", "floor", "copy")
+REFERENCE_KERNELS = ("triton", "pallas")
+
+Series = dict[str, list[tuple[int, float]]]
 
 
 def _token_label(tokens: int) -> str:
     return f"{tokens // 1024}k" if tokens >= 1024 and tokens % 1024 == 0 else str(tokens)
 
 
-def _series(rows: list[Annotated], value, max_tokens: int | None = None) -> dict[str, list[tuple[int, float]]]:
-    """``implementation -> [(tokens, value)]`` for timed device rows, in order of appearance."""
-    series: dict[str, list[tuple[int, float]]] = {}
+def _series(rows: list[Annotated], value, takes, max_tokens: int | None = None) -> Series:
+    """``implementation -> [(tokens, value)]`` for timed device rows that ``takes``, in order of appearance."""
+    series: Series = {}
     for row in rows:
         m = row.measurement
         y = value(row)
-        if m.clock != "device" or y is None or (max_tokens is not None and m.tokens > max_tokens):
+        if m.clock != "device" or not takes(m) or y is None or (max_tokens is not None and m.tokens > max_tokens):
             continue
         series.setdefault(m.implementation, []).append((m.tokens, y))
     return series
 
 
-def _draw(rows: list[Annotated], series: dict, path: pathlib.Path, *, title: str, ylabel: str, log_y: bool):
-    if not series:
-        return
+def _microseconds(row: Annotated) -> float | None:
+    return None if row.measurement.seconds is None else row.measurement.seconds * 1e6
+
+
+def kernel_series(rows: list[Annotated]) -> Series:
+    return _series(rows, lambda row: row.of_ceiling, lambda m: m.kind in OP_KINDS)
+
+
+def latency_series(rows: list[Annotated], max_tokens: int = DECODE_TOKENS) -> Series:
+    return _series(rows, _microseconds, lambda m: m.kind in OP_KINDS, max_tokens)
+
+
+def materializer_series(rows: list[Annotated]) -> Series:
+    return _series(rows, lambda row: row.over_gemm, lambda m: m.kind == "materializer")
+
+
+def baseline_series(rows: list[Annotated]) -> Series:
+    series = _series(rows, _microseconds, lambda m: m.kind == "baseline")
+    return series and dict(series, **_series(rows, _microseconds, lambda m: m.implementation in REFERENCE_KERNELS))
+
+
+def _style(name: str, kind: str, reference: tuple[str, ...], copies_drawn: int) -> dict:
+    if name in reference:
+        return REFERENCE_STYLE
+    if kind == "copy":
+        return COPY_STYLES[copies_drawn % len(COPY_STYLES)]
+    return KIND_STYLES.get(kind, {})
+
+
+def _draw(rows: list[Annotated], series: Series, path: pathlib.Path, *, title: str, ylabel: str, log_y: bool,
+          from_zero: bool = False, level: tuple[float, str] | None = None, reference: tuple[str, ...] = ()) -> None:
+    """One chart of ``series``; ``from_zero``: the y axis starts at 0; ``level``: a
+    horizontal line at this value, labelled; ``reference``: series drawn thin, for scale."""
     # A bare Figure renders through Agg without pyplot: no display, no global state.
     from matplotlib.figure import Figure
     from matplotlib.ticker import LogLocator, NullLocator, StrMethodFormatter
@@ -55,11 +95,11 @@ def _draw(rows: list[Annotated], series: dict, path: pathlib.Path, *, title: str
     copies = 0
     for name, points in series.items():
         points = sorted(points)
-        style = dict(KIND_STYLES.get(kinds[name], {}))
-        if kinds[name] == "copy":
-            style["color"] = COPY_COLORS[copies % len(COPY_COLORS)]
-            copies += 1
+        style = _style(name, kinds[name], reference, copies)
+        copies += kinds[name] == "copy"
         axes.plot([x for x, _ in points], [y for _, y in points], label=name, markersize=4, **style)
+    if level is not None:
+        axes.axhline(level[0], color="black", linewidth=0.8, label=level[1])
     ticks = sorted({x for points in series.values() for x, _ in points})
     axes.set_xscale("log", base=2)
     axes.set_xticks(ticks, [_token_label(t) for t in ticks])
@@ -69,45 +109,45 @@ def _draw(rows: list[Annotated], series: dict, path: pathlib.Path, *, title: str
         axes.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
         axes.yaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
         axes.yaxis.set_minor_locator(NullLocator())
-    else:
+    elif from_zero:
         axes.set_ylim(bottom=0)
     axes.set_xlabel("tokens (total_ctx)")
     axes.set_ylabel(ylabel)
     axes.set_title(title, fontsize=9)
     axes.grid(True, which="major", alpha=0.3)
     axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    figure.subplots_adjust(left=0.08, right=0.76, bottom=0.11, top=0.91)
+    figure.subplots_adjust(left=0.09, right=0.76, bottom=0.11, top=0.88)
     figure.savefig(path, format="png")
 
 
-def plot_bandwidth(rows: list[Annotated], path: pathlib.Path, *, title: str) -> dict[str, list[tuple[int, float]]]:
-    """Achieved GB/s against tokens; returns the series drawn."""
-    series = _series(rows, lambda row: row.gbps)
-    _draw(rows, series, path, title=title, ylabel="GB/s (bytes read + written / median time)", log_y=False)
-    return series
+def _charts(group: list[Annotated], ceiling: Ceiling | None) -> list[tuple[str, Series, dict]]:
+    """``(file stem, series, how to draw them)`` of each chart of one shape and dtype."""
+    ceiling_label = "of the device copy ceiling" if ceiling is None else \
+        f"of the device copy ceiling ({ceiling.gbps:.0f} GB/s)"
+    return [
+        ("kernels", kernel_series(group), dict(title="the kernels and floors against the device copy ceiling",
+                                               ylabel=f"fraction {ceiling_label}", log_y=False, from_zero=True,
+                                               level=(1.0, "device copy ceiling"))),
+        ("latency", latency_series(group), dict(title="the kernels at decode sizes",
+                                                ylabel="µs per call (median, device time)", log_y=True)),
+        ("materializers", materializer_series(group), dict(
+            title="the materializers against the same GEMM call alone",
+            ylabel="time over its GEMM's alone", log_y=False, level=(1.0, "its GEMM alone"))),
+        ("baselines", baseline_series(group), dict(title="the baselines beside the kernels",
+                                                   ylabel="µs per call (median, device time)", log_y=True,
+                                                   reference=REFERENCE_KERNELS)),
+    ]
 
 
-def plot_latency(rows: list[Annotated], path: pathlib.Path, *, title: str,
-                 max_tokens: int = DECODE_TOKENS) -> dict[str, list[tuple[int, float]]]:
-    """Device time per call (µs) against tokens, up to ``max_tokens``; returns the series drawn."""
-    def microseconds(row: Annotated) -> float | None:
-        return None if row.measurement.seconds is None else row.measurement.seconds * 1e6
-
-    series = _series(rows, microseconds, max_tokens)
-    _draw(rows, series, path, title=title, ylabel="µs per call (median)", log_y=True)
-    return series
-
-
-def write_plots(rows: list[Annotated], out_dir: pathlib.Path) -> list[pathlib.Path]:
-    """``bandwidth-<shape>-<dtype>.png`` and ``latency-<shape>-<dtype>.png`` per shape and dtype
-    in ``out_dir``, each where it has something to draw; returns the files written."""
+def write_plots(rows: list[Annotated], out_dir: pathlib.Path, ceiling: Ceiling | None = None) -> list[pathlib.Path]:
+    """``kernels-``, ``latency-``, ``materializers-`` and ``baselines-<shape>-<dtype>.png`` in
+    ``out_dir``, each where it has something to draw; returns the files written."""
     written = []
     for (shape, dtype), group in groups(rows).items():
         described = f"{shape}: {SHAPES[shape].description}" if shape in SHAPES else shape
-        bandwidth = out_dir / f"bandwidth-{shape}-{dtype}.png"
-        if plot_bandwidth(group, bandwidth, title=f"{described}, {dtype}: achieved bandwidth"):
-            written.append(bandwidth)
-        latency = out_dir / f"latency-{shape}-{dtype}.png"
-        if plot_latency(group, latency, title=f"{described}, {dtype}: device time at small token counts"):
-            written.append(latency)
+        for stem, series, how in _charts(group, ceiling):
+            if series:
+                path = out_dir / f"{stem}-{shape}-{dtype}.png"
+                _draw(group, series, path, **dict(how, title=f"{described}, {dtype}\n{how['title']}"))
+                written.append(path)
     return written

@@ -5,159 +5,63 @@ Kinds:
 * ``kernel``: ours, the Triton kernel (torch) and the Pallas kernel (jax) on each of its
   lowerings: ``pallas`` on Triton (the default), ``pallas-mosaic`` on Mosaic GPU;
 * ``baseline``: the op as a model author would write it (eager PyTorch, ``torch.compile``,
-  jnp under ``jax.jit``); the fastest is the speed-up column's yardstick;
-* ``copy``: a device copy of the op's bytes in the same framework, the ceiling;
+  jnp under ``jax.jit``, which XLA fuses); the fastest is the speed-up column's yardstick;
+* ``copy``: a device copy of the op's bytes in the same framework (the "of copy" column);
 * ``floor``: the Pallas kernel's data movement alone, in its own form
   (:mod:`interop.bench.floors`): ``pallas-floor`` copies K and V unchanged,
   ``pallas-floor-cos-sin`` also loads the cos/sin rows;
-* ``materializer``: the materializers' GEMM alone, and the GEMM and the op end to end;
+* ``materializer``: each materializer's GEMM alone, and the materializer end to end,
+  into outputs, into a paged cache, and the flow it replaces
+  (:mod:`interop.bench.materializers`);
 * ``interop``: the backend-neutral call, in one framework and crossing between them;
-* ``host``: an eager call, timed on the host (host dispatch, not device time).
+* ``host``: an eager call, timed on the host (host dispatch, not device time), and
+  ``triton-launch``, Triton's own launch of the compiled kernel the ``triton-host`` call
+  runs, with its arguments ready: the floor under every eager call of it.
 
-A ``prepare`` function takes a :class:`~interop.bench.workload.Workload` and returns
-:class:`Calls` (torch's device rows and every host row: ``call(i)`` on input set ``i``)
-or :class:`Steps` (JAX's device rows, run many to a jit), each with its bytes and its
-check, or raises :class:`NotApplicable` for a shape, dtype or token count the
-implementation does not take (the row says so instead of a time). Another variant is one
-more entry: a Pallas tile, for instance, is ``functools.partial(_pallas, block_tokens=...)``
-under a name of its own::
-
-    Implementation("pallas-bt4", "jax", "kernel", functools.partial(_pallas, lowering="triton", block_tokens=4))
+The tiles and forms of ``--sweep`` and ``--forms`` are rows of kind ``sweep``
+(:mod:`interop.bench.sweep`). A ``prepare`` function takes a
+:class:`~interop.bench.workload.Workload` and returns :class:`~interop.bench.rows.Calls`
+(torch's device rows and every host row) or :class:`~interop.bench.rows.Steps` (JAX's
+device rows, run many to a jit), or raises :class:`~interop.bench.rows.NotApplicable`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, Sequence
 
-from interop.core.arrays import numpy_dtype
+from interop.bench import materializers
 from interop.bench.baselines import jnp_reference_math, torch_reference_math
-from interop.bench.check import copy_verdict, end_to_end_verdict, op_verdict, projection_verdict
-from interop.bench.shapes import MAX_POSITION, BenchShape
+from interop.bench.check import copy_verdict, op_verdict
+from interop.bench.rows import Calls, Implementation, NotApplicable, Steps, op_calls, op_steps
 from interop.bench.workload import Workload
-from interop.exchange import to_torch
-from interop.testing import random_case
+
+__all__ = ["BY_NAME", "IMPLEMENTATIONS", "KINDS", "LAUNCH_FLOOR", "Calls", "Implementation", "NotApplicable",
+           "Steps", "companions", "select", "unknown_words"]
 
 KINDS = ("kernel", "baseline", "copy", "floor", "materializer", "interop", "host")
 # The custom call jax lowers a Mosaic GPU kernel to (jax 0.10-0.11).
 MOSAIC_GPU_TARGET = "mosaic_gpu_v2"
+LAUNCH_FLOOR = "triton-launch"
 
 
-class NotApplicable(Exception):
-    """Raised by a ``prepare`` for what its implementation does not take; the message says what."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Calls:
-    """An implementation called once per ``call(i)`` on input set ``i`` (of ``sets``).
-
-    ``check()`` makes one call on poisoned outputs and returns its verdict.
-    """
-
-    call: Callable[[int], object]
-    sets: int
-    bytes_moved: int
-    check: Callable[[], str]
-
-
-@dataclasses.dataclass(frozen=True)
-class Steps:
-    """A JAX implementation as ``step(fixed, varying, outputs) -> outputs``, for
-    :func:`interop.bench.timers.chained_calls` to run many to a jit.
-
-    ``varying`` holds one tuple per input set; ``new_outputs()`` makes poisoned outputs;
-    ``check(outputs, index)`` judges the outputs of a call on set ``index``;
-    ``fresh_outputs``: the step allocates its outputs instead of writing the ones it is
-    given; ``kernel_target``: the step is one kernel XLA cannot fuse into, a custom call
-    of this target, which the compiled jit must launch once per call (both as
-    :func:`~interop.bench.timers.chained_calls` describes).
-    """
-
-    step: Callable
-    fixed: object
-    varying: list
-    new_outputs: Callable[[], object]
-    bytes_moved: int
-    check: Callable[[object, int], str]
-    fresh_outputs: bool = False
-    kernel_target: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Implementation:
-    """One row of the table per token count.
-
-    ``framework``: whose arrays the caller holds and whose GPU it needs, ``"torch"``,
-    ``"jax"``, or a crossing such as ``"jax->torch"`` (the caller's first); ``clock``:
-    ``"device"`` or ``"host"``; ``baseline``: its time is a yardstick of the speed-up
-    column; ``does_op``: it computes the op and nothing more, so a speed-up is shown.
-    """
-
-    name: str
-    framework: str
-    kind: str
-    prepare: Callable[[Workload], Calls | Steps]
-    clock: str = "device"
-    baseline: bool = False
-    does_op: bool = True
-
-    @property
-    def frameworks(self) -> tuple[str, ...]:
-        return tuple(self.framework.split("->"))
-
-
-def _nan_pair(workload: Workload, framework: str) -> tuple:
-    """Poisoned ``(k_out, v_out)`` for one call."""
-    shape = workload.shape.output_shape(workload.total_ctx)
-    if framework == "torch":
-        import torch
-
-        return tuple(torch.full(shape, float("nan"), dtype=getattr(torch, workload.dtype),
-                                device=workload.torch_device) for _ in range(2))
-    import jax.numpy as jnp
-
-    return tuple(jnp.full(shape, jnp.nan, jnp.dtype(workload.dtype)) for _ in range(2))
-
-
-def _op_calls(workload: Workload, framework: str, function, *, given_outputs: bool) -> Calls:
-    """``function(*op_args)``, or with ``k_out``/``v_out`` of its own set, checked as the op."""
-    shape = workload.shape
-    op_bytes = shape.op_bytes(workload.total_ctx, workload.dtype)
-    sets = workload.sets(op_bytes)
-    args = [workload.op_args(i, framework) for i in range(sets)]
-    if given_outputs:
-        outputs = [_nan_pair(workload, framework) for _ in range(sets)]
-
-        def call(i):
-            return function(*args[i], k_out=outputs[i][0], v_out=outputs[i][1])
-    else:
-        def call(i):
-            return function(*args[i])
-
-    return Calls(call, sets, op_bytes, lambda: op_verdict(*call(0), *args[0], static=shape.static()))
-
-
-def _op_steps(workload: Workload, step, *, fresh_outputs: bool = False, kernel_target: str | None = None) -> Steps:
-    """A JAX step of the op over every input set, one poisoned output pair chained through
-    (``fresh_outputs``: a step that allocates its own outputs instead; ``kernel_target``:
-    see :class:`Steps`)."""
-    shape = workload.shape
-    sets = workload.sets(shape.kv_nbytes(workload.total_ctx, workload.dtype))
-    return Steps(step, workload.shared("jax"), [workload.varying(i, "jax") for i in range(sets)],
-                 lambda: _nan_pair(workload, "jax"), shape.op_bytes(workload.total_ctx, workload.dtype),
-                 lambda outputs, i: op_verdict(*outputs, *workload.op_args(i, "jax"), static=shape.static()),
-                 fresh_outputs, kernel_target)
-
-
-def _triton(workload: Workload) -> Calls:
+def triton_calls(workload: Workload, **tile) -> Calls:
+    """The Triton kernel writing into outputs of each set; ``tile`` reaches ``fusedkv_torch.fused_kv_norm_rope``."""
     from fusedkv_torch import fused_kv_norm_rope
 
-    return _op_calls(workload, "torch", functools.partial(fused_kv_norm_rope, **workload.shape.static()),
-                     given_outputs=True)
+    return op_calls(workload, "torch", functools.partial(fused_kv_norm_rope, **workload.shape.static(), **tile),
+                    given_outputs=True)
 
 
-def _pallas(workload: Workload, **options) -> Steps:
+def _triton_fresh(workload: Workload) -> Calls:
+    from fusedkv_torch import fused_kv_norm_rope
+
+    return op_calls(workload, "torch", functools.partial(fused_kv_norm_rope, **workload.shape.static()),
+                    given_outputs=False)
+
+
+def pallas_steps(workload: Workload, **options) -> Steps:
     """The Pallas kernel writing into the outputs it is given (donated through the chain);
     ``options`` reach ``fusedkv_jax.fused_kv_norm_rope`` (tiles, a lowering)."""
     from fusedkv_jax import fused_kv_norm_rope
@@ -168,7 +72,56 @@ def _pallas(workload: Workload, **options) -> Steps:
         kv, positions = varying
         return fused_kv_norm_rope(kv, *fixed, positions, **static, k_out=outputs[0], v_out=outputs[1], **options)
 
-    return _op_steps(workload, step)
+    return op_steps(workload, step)
+
+
+def captured_launches(call: Callable[[], object], kernel_class=None) -> list[tuple]:
+    """``(compiled, grid, args, kwargs)`` of every compiled Triton kernel that ``call()``
+    launches through ``compiled[grid](*args)``, Triton's public way to launch a compiled
+    kernel (``kernel_class``: Triton's ``CompiledKernel``, or a stand-in)."""
+    if kernel_class is None:
+        from triton.compiler import CompiledKernel as kernel_class
+    launches = []
+    original = kernel_class.__getitem__
+
+    def recording(compiled, grid):
+        runner = original(compiled, grid)
+
+        def run(*args, **kwargs):
+            launches.append((compiled, grid, args, kwargs))
+            return runner(*args, **kwargs)
+        return run
+
+    kernel_class.__getitem__ = recording
+    try:
+        call()
+    finally:
+        kernel_class.__getitem__ = original
+    return launches
+
+
+def _triton_launch(workload: Workload) -> Calls:
+    """Triton's own launch of the kernel that ``triton-host``'s call launches, with that
+    call's arguments: what is left of an eager call once everything else is taken away."""
+    eager = triton_calls(workload)
+    for _ in range(3):  # the first call compiles; later ones launch the compiled kernel directly
+        k, v = eager.call(0)
+    launches = captured_launches(lambda: eager.call(0))
+    if len(launches) != 1:
+        raise NotApplicable("the Triton call launched no compiled kernel of its own (interpreted, "
+                            "or launched through kernel[grid])")
+    compiled, grid, args, kwargs = launches[0]
+
+    def call(i):
+        compiled[grid](*args, **kwargs)
+        return k, v
+
+    def check():
+        k.fill_(float("nan"))
+        v.fill_(float("nan"))
+        return op_verdict(*call(0), *workload.op_args(0, "torch"), static=workload.shape.static())
+
+    return Calls(call, 1, eager.bytes_moved, check)
 
 
 def _pallas_mosaic(workload: Workload) -> Steps:
@@ -193,19 +146,19 @@ def _pallas_mosaic(workload: Workload) -> Steps:
         return fused_kv_norm_rope(kv, *fixed, positions, **static, lowering="mosaic_gpu")
 
     # Interpreted, the kernel is no custom call but ordinary XLA work, which takes the shift.
-    return _op_steps(workload, step, fresh_outputs=True, kernel_target=None if interpret else MOSAIC_GPU_TARGET)
+    return op_steps(workload, step, fresh_outputs=True, kernel_target=None if interpret else MOSAIC_GPU_TARGET)
 
 
 def _pallas_eager(workload: Workload) -> Calls:
     from fusedkv_jax import fused_kv_norm_rope
 
-    return _op_calls(workload, "jax", functools.partial(fused_kv_norm_rope, **workload.shape.static()),
-                     given_outputs=False)
+    return op_calls(workload, "jax", functools.partial(fused_kv_norm_rope, **workload.shape.static()),
+                    given_outputs=False)
 
 
 def _torch_eager(workload: Workload) -> Calls:
-    return _op_calls(workload, "torch", functools.partial(torch_reference_math, config=workload.shape.config),
-                     given_outputs=False)
+    return op_calls(workload, "torch", functools.partial(torch_reference_math, config=workload.shape.config),
+                    given_outputs=False)
 
 
 @functools.cache
@@ -224,8 +177,8 @@ def _compiled_torch_math():
 
 
 def _torch_compile(workload: Workload) -> Calls:
-    return _op_calls(workload, "torch", functools.partial(_compiled_torch_math(), config=workload.shape.config),
-                     given_outputs=False)
+    return op_calls(workload, "torch", functools.partial(_compiled_torch_math(), config=workload.shape.config),
+                    given_outputs=False)
 
 
 def _jnp_steps(workload: Workload) -> Steps:
@@ -235,14 +188,14 @@ def _jnp_steps(workload: Workload) -> Steps:
         kv, positions = varying
         return jnp_reference_math(kv, *fixed, positions, config=config)
 
-    return _op_steps(workload, step, fresh_outputs=True)
+    return op_steps(workload, step, fresh_outputs=True)
 
 
 def _jnp_eager(workload: Workload) -> Calls:
     import jax
 
     jitted = jax.jit(functools.partial(jnp_reference_math, config=workload.shape.config))
-    return _op_calls(workload, "jax", jitted, given_outputs=False)
+    return op_calls(workload, "jax", jitted, given_outputs=False)
 
 
 def _pallas_floor(workload: Workload, *, cos_sin: bool) -> Steps:
@@ -257,7 +210,7 @@ def _pallas_floor(workload: Workload, *, cos_sin: bool) -> Steps:
         return tuple(floors.copy(kv, fixed[2], positions, *outputs, **static, rotary_dim=config.rotary_dim,
                                  cos_sin=cos_sin))
 
-    steps = _op_steps(workload, step)
+    steps = op_steps(workload, step)
     return dataclasses.replace(steps, check=lambda outputs, i: floors.copy_verdict(
         outputs, workload.varying(i, "jax")[0], **static))
 
@@ -294,137 +247,17 @@ def _xla_copy(workload: Workload) -> Steps:
                  fresh_outputs=True)
 
 
-@functools.cache
-def _materializer_case(shape: BenchShape, dtype: str):
-    return random_case(shape.config, n_layers=shape.n_layers, hidden=shape.hidden, total_ctx=0,
-                       max_position=MAX_POSITION, dtype=dtype)
-
-
-@functools.cache
-def _torch_materializer(shape: BenchShape, dtype: str, device: str):
-    from fusedkv_torch.materializer import FusedKVMaterializer
-
-    layers = [dataclasses.replace(layer, kv_proj_weight=to_torch(layer.kv_proj_weight).to(device),
-                                  k_norm_weight=to_torch(layer.k_norm_weight).to(device))
-              for layer in _materializer_case(shape, dtype).layers]
-    return FusedKVMaterializer(layers)
-
-
-@functools.cache
-def _jax_materializer(shape: BenchShape, dtype: str):
-    from fusedkv_jax.materializer import FusedKVMaterializer
-
-    return FusedKVMaterializer(_materializer_case(shape, dtype).layers)
-
-
-def _materializer_bytes(workload: Workload) -> tuple[int, int]:
-    """(GEMM, GEMM and op) bytes that no design of the two steps can avoid."""
-    gemm = workload.shape.gemm_bytes(workload.total_ctx, workload.dtype)
-    return gemm, gemm + workload.shape.op_bytes(workload.total_ctx, workload.dtype)
-
-
-def _hidden_sets(workload: Workload, outputs_per_set: int) -> int:
-    """Input sets of a materializer that reads ``ctx_hidden``, writes and reads ``kv``, and
-    writes ``outputs_per_set`` more arrays of kv's size per set."""
-    shape, total_ctx, dtype = workload.shape, workload.total_ctx, workload.dtype
-    hidden_bytes = total_ctx * shape.hidden * numpy_dtype(dtype).itemsize
-    return workload.sets(hidden_bytes + (1 + outputs_per_set) * shape.kv_nbytes(total_ctx, dtype))
-
-
-def _torch_gemm(workload: Workload) -> Calls:
-    materializer = _torch_materializer(workload.shape, workload.dtype, workload.torch_device)
-    materializer.reserve(workload.total_ctx)
-    sets = _hidden_sets(workload, 0)
-    hidden = [workload.hidden(i, "torch") for i in range(sets)]
-
-    def call(i):
-        return materializer.project(hidden[i])
-
-    def check():
-        call(0).fill_(float("nan"))
-        return projection_verdict(call(0), hidden[0], _materializer_case(workload.shape, workload.dtype).layers)
-
-    return Calls(call, sets, _materializer_bytes(workload)[0], check)
-
-
-def _torch_materializer_calls(workload: Workload) -> Calls:
-    materializer = _torch_materializer(workload.shape, workload.dtype, workload.torch_device)
-    materializer.reserve(workload.total_ctx)
-    sets = _hidden_sets(workload, 2)
-    hidden = [workload.hidden(i, "torch") for i in range(sets)]
-    positions = [workload.varying(i, "torch")[1] for i in range(sets)]
-    outputs = [_nan_pair(workload, "torch") for _ in range(sets)]
-
-    def call(i):
-        return materializer.materialize(hidden[i], positions[i], k_out=outputs[i][0], v_out=outputs[i][1])
-
-    def check():
-        k, v = call(0)
-        return op_verdict(k, v, materializer.project(hidden[0]), materializer.k_norm_weight, materializer.eps,
-                          materializer.cos_sin_cache, positions[0], static=workload.shape.static())
-
-    return Calls(call, sets, _materializer_bytes(workload)[1], check)
-
-
-def _jax_materializer_check(workload: Workload, materializer, outputs, index: int) -> str:
-    """The end-to-end outputs against the materializer's fp32 NumPy path."""
-    return end_to_end_verdict(*outputs, _materializer_case(workload.shape, workload.dtype).layers,
-                              workload.hidden(index, "jax"), workload.varying(index, "jax")[1])
-
-
-def _jax_gemm(workload: Workload) -> Steps:
-    import jax.numpy as jnp
-
-    sets = _hidden_sets(workload, 0)
-    kv_shape = workload.shape.kv_shape(workload.total_ctx)
-    layers = _materializer_case(workload.shape, workload.dtype).layers
-
-    def step(materializer, varying, outputs):
-        return materializer.project(varying[0])
-
-    return Steps(step, _jax_materializer(workload.shape, workload.dtype),
-                 [(workload.hidden(i, "jax"),) for i in range(sets)],
-                 lambda: jnp.full(kv_shape, jnp.nan, jnp.dtype(workload.dtype)), _materializer_bytes(workload)[0],
-                 lambda outputs, i: projection_verdict(outputs, workload.hidden(i, "jax"), layers),
-                 fresh_outputs=True)
-
-
-def _jax_materializer_steps(workload: Workload) -> Steps:
-    sets = _hidden_sets(workload, 0)
-    materializer = _jax_materializer(workload.shape, workload.dtype)
-
-    def step(materializer, varying, outputs):
-        return materializer.materialize(*varying)
-
-    return Steps(step, materializer,
-                 [(workload.hidden(i, "jax"), workload.varying(i, "jax")[1]) for i in range(sets)],
-                 lambda: _nan_pair(workload, "jax"), _materializer_bytes(workload)[1],
-                 functools.partial(_jax_materializer_check, workload, materializer), fresh_outputs=True)
-
-
-def _jax_materializer_eager(workload: Workload) -> Calls:
-    sets = _hidden_sets(workload, 2)
-    materializer = _jax_materializer(workload.shape, workload.dtype)
-    inputs = [(workload.hidden(i, "jax"), workload.varying(i, "jax")[1]) for i in range(sets)]
-
-    def call(i):
-        return materializer.materialize(*inputs[i])
-
-    return Calls(call, sets, _materializer_bytes(workload)[1],
-                 lambda: _jax_materializer_check(workload, materializer, call(0), 0))
-
-
 def _interop(workload: Workload, *, caller: str, backend: str) -> Calls:
     """``interop.fused_kv_norm_rope`` on the caller's arrays, run by ``backend``."""
     from interop import dispatch
 
-    return _op_calls(workload, caller, functools.partial(dispatch.fused_kv_norm_rope, **workload.shape.static(),
-                                                         backend=backend), given_outputs=False)
+    return op_calls(workload, caller, functools.partial(dispatch.fused_kv_norm_rope, **workload.shape.static(),
+                                                        backend=backend), given_outputs=False)
 
 
 IMPLEMENTATIONS = (
-    Implementation("triton", "torch", "kernel", _triton),
-    Implementation("pallas", "jax", "kernel", functools.partial(_pallas, lowering="triton")),
+    Implementation("triton", "torch", "kernel", triton_calls),
+    Implementation("pallas", "jax", "kernel", functools.partial(pallas_steps, lowering="triton")),
     Implementation("pallas-mosaic", "jax", "kernel", _pallas_mosaic),
     Implementation("torch-eager", "torch", "baseline", _torch_eager, baseline=True),
     Implementation("torch-compile", "torch", "baseline", _torch_compile, baseline=True),
@@ -434,10 +267,18 @@ IMPLEMENTATIONS = (
     Implementation("pallas-floor-cos-sin", "jax", "floor", functools.partial(_pallas_floor, cos_sin=True),
                    does_op=False),
     Implementation("xla-copy", "jax", "copy", _xla_copy, does_op=False),
-    Implementation("torch-gemm", "torch", "materializer", _torch_gemm, does_op=False),
-    Implementation("torch-materializer", "torch", "materializer", _torch_materializer_calls, does_op=False),
-    Implementation("jax-gemm", "jax", "materializer", _jax_gemm, does_op=False),
-    Implementation("jax-materializer", "jax", "materializer", _jax_materializer_steps, does_op=False),
+    Implementation("torch-gemm", "torch", "materializer", materializers.torch_gemm, does_op=False),
+    Implementation("torch-materializer", "torch", "materializer", materializers.torch_materialize,
+                   does_op=False, gemm="torch-gemm"),
+    Implementation("torch-materializer-cache", "torch", "materializer", materializers.torch_materialize_into_cache,
+                   does_op=False, gemm="torch-gemm"),
+    Implementation("torch-reference-flow", "torch", "materializer", materializers.torch_reference_flow,
+                   does_op=False, gemm="torch-gemm"),
+    Implementation("jax-gemm", "jax", "materializer", materializers.jax_gemm, does_op=False),
+    Implementation("jax-materializer", "jax", "materializer", materializers.jax_materialize, does_op=False,
+                   gemm="jax-gemm"),
+    Implementation("jax-materializer-cache", "jax", "materializer", materializers.jax_materialize_into_cache,
+                   does_op=False, gemm="jax-gemm"),
     Implementation("interop-torch", "torch", "interop",
                    functools.partial(_interop, caller="torch", backend="torch"), clock="host"),
     Implementation("interop-jax", "jax", "interop",
@@ -446,14 +287,17 @@ IMPLEMENTATIONS = (
                    functools.partial(_interop, caller="jax", backend="torch"), clock="host"),
     Implementation("interop-torch-to-jax", "torch->jax", "interop",
                    functools.partial(_interop, caller="torch", backend="jax"), clock="host"),
-    Implementation("triton-host", "torch", "host", _triton, clock="host"),
+    Implementation(LAUNCH_FLOOR, "torch", "host", _triton_launch, clock="host", does_op=False),
+    Implementation("triton-host", "torch", "host", triton_calls, clock="host"),
+    Implementation("triton-host-fresh", "torch", "host", _triton_fresh, clock="host"),
     Implementation("pallas-host", "jax", "host", _pallas_eager, clock="host"),
     Implementation("torch-eager-host", "torch", "host", _torch_eager, clock="host", baseline=True),
     Implementation("torch-compile-host", "torch", "host", _torch_compile, clock="host", baseline=True),
     Implementation("jnp-jit-host", "jax", "host", _jnp_eager, clock="host", baseline=True),
-    Implementation("torch-materializer-host", "torch", "host", _torch_materializer_calls, clock="host",
+    Implementation("torch-materializer-host", "torch", "host", materializers.torch_materialize, clock="host",
                    does_op=False),
-    Implementation("jax-materializer-host", "jax", "host", _jax_materializer_eager, clock="host", does_op=False),
+    Implementation("jax-materializer-host", "jax", "host", materializers.jax_materialize_eager, clock="host",
+                   does_op=False),
 )
 BY_NAME = {implementation.name: implementation for implementation in IMPLEMENTATIONS}
 COPIES = {implementation.framework: implementation for implementation in IMPLEMENTATIONS
@@ -465,13 +309,28 @@ def unknown_words(words: list[str]) -> list[str]:
     return [word for word in words if word not in BY_NAME and word not in KINDS]
 
 
-def select(words: list[str] | None, frameworks_on_gpu) -> tuple[list[Implementation], list[Implementation]]:
+def companions(implementation: Implementation) -> list[str]:
+    """The rows ``implementation`` is read against, run whenever it runs: its framework's
+    copy (device rows but the materializers', which are compared with their GEMM), its
+    GEMM alone (materializers), Triton's own launch (host rows)."""
+    names = []
+    if implementation.clock == "device" and implementation.kind != "materializer":
+        names.append(COPIES[implementation.framework].name)
+    if implementation.gemm:
+        names.append(implementation.gemm)
+    if implementation.clock == "host":
+        names.append(LAUNCH_FLOOR)
+    return names
+
+
+def select(words: list[str] | None, frameworks_on_gpu, *,
+           extra: Sequence[Implementation] = ()) -> tuple[list[Implementation], list[Implementation]]:
     """The implementations to run, in table order, and those skipped because a framework they
     need sees no GPU.
 
-    ``words``: names and kinds (``None``: all). The copy of each framework with a device
-    row is always added: the fraction-of-copy column needs it. Unknown words raise
-    ``ValueError`` naming them.
+    ``words``: names and kinds (``None``: all); ``extra``: rows beyond the registry's (the
+    sweep's), run after them. Each chosen row's :func:`companions` that can run are
+    added. Unknown words raise ``ValueError`` naming them.
     """
     if words is None:
         chosen = set(BY_NAME)
@@ -482,13 +341,15 @@ def select(words: list[str] | None, frameworks_on_gpu) -> tuple[list[Implementat
                              f"{list(BY_NAME)} or kinds {list(KINDS)}")
         chosen = {name for name, implementation in BY_NAME.items()
                   if name in words or implementation.kind in words}
+    chosen |= {implementation.name for implementation in extra}
+    candidates = [*IMPLEMENTATIONS, *extra]
 
     def runs(implementation: Implementation) -> bool:
         return set(implementation.frameworks) <= set(frameworks_on_gpu)
 
-    for implementation in IMPLEMENTATIONS:
-        if implementation.name in chosen and implementation.clock == "device" and runs(implementation):
-            chosen.add(COPIES[implementation.framework].name)
-    selected = [implementation for implementation in IMPLEMENTATIONS if implementation.name in chosen]
+    for implementation in candidates:
+        if implementation.name in chosen and runs(implementation):
+            chosen.update(name for name in companions(implementation) if runs(BY_NAME[name]))
+    selected = [implementation for implementation in candidates if implementation.name in chosen]
     return ([implementation for implementation in selected if runs(implementation)],
             [implementation for implementation in selected if not runs(implementation)])

@@ -4,9 +4,13 @@ For each shape and token count one :class:`~interop.bench.workload.Workload` is 
 and every implementation measured on it in table order. An implementation is first
 called on poisoned outputs and checked (:mod:`interop.bench.check`); one that fails is
 recorded with its verdict and never timed, one that does not take the shape, dtype or
-token count (:class:`~interop.bench.registry.NotApplicable`) is recorded as ``n/a`` and
+token count (:class:`~interop.bench.rows.NotApplicable`) is recorded as ``n/a`` and
 why, and one that raises is recorded with its error (the traceback goes to
-``on_error``) while the run goes on.
+``on_error``) while the run goes on. With ``rounds`` above one, every row of a size is
+checked first and then timed once a round, the rows' order reversed every other round,
+so that drift over the run (clocks, temperature) falls on every row alike; a row's time
+is the median of its rounds. The rows of a size are then held ready together, inputs,
+outputs and compiled jits.
 
 Timers by row: torch on the device, CUDA-graph replay
 (:func:`~interop.bench.timers.graph_replay_seconds`, ``Effort.graph_ms`` of calls a
@@ -16,22 +20,17 @@ graph); host rows, a loop of eager calls, only up to
 :func:`calls_per_jit` takes from the bytes a call moves.
 
 Calls per jit: the device must take longer over one jit's calls than the host takes to
-dispatch the next jit (100-200 us with jax 0.11), or the figure is the host's
-("host-bound" in the method column, an upper bound). So a jit holds about
-:data:`JIT_DEVICE_SECONDS` of device work: a call is estimated at its bytes over
-:data:`ESTIMATED_BYTES_PER_SECOND`, and at least :data:`CALL_FLOOR_SECONDS`, and a jit
-holds that work over the estimate in calls, between :data:`MIN_CALLS_PER_JIT` and
-``Effort.max_calls_per_jit`` (512, or ``--max-calls-per-jit``). The draft shape in bf16
-gets 512 calls up to 64 tokens, 287 at 256, 72 at 1024, 18 at 4096 and 8 from 16384 on;
-the method column gives the calls and the device time they were estimated at. The calls
-are unrolled: a loop (``lax.scan``) would hand the kernel slices of stacked input sets,
-which XLA materializes before a custom call, and whether XLA's GPU while loop waits on
-the host between iterations was not measured. So compiling takes longer the more calls
-there are; on a shared 2-core CPU, tracing and compiling 512 calls took 0.2-0.5 s for a
-trivial step chained through its outputs, 3.6-12 s for one with fresh outputs, and 30-80
-s for the jnp baseline (1024 calls: 65-100 s), hence the cap. Steps with fresh outputs
-return every call's outputs, host work at each dispatch of about 1 us an array (on the
-CPU), so where their calls are shortest they may stay host-bound.
+dispatch the next jit, or the figure is the host's ("host-bound" in the method column,
+an upper bound). So a jit holds about :data:`JIT_DEVICE_SECONDS` of device work: a call
+is estimated at its bytes over :data:`ESTIMATED_BYTES_PER_SECOND`, and at least
+:data:`CALL_FLOOR_SECONDS`, and a jit holds that work over the estimate in calls,
+between :data:`MIN_CALLS_PER_JIT` and ``Effort.max_calls_per_jit`` (512, or
+``--max-calls-per-jit``); the method column gives the calls and the device time they
+were estimated at. The calls are unrolled: a loop (``lax.scan``) would hand the kernel
+slices of stacked input sets, which XLA materializes before a custom call. So compiling
+takes longer the more calls there are, hence the cap. Steps with fresh outputs return
+every call's outputs, host work at each dispatch, so where their calls are shortest
+they may stay host-bound.
 """
 
 from __future__ import annotations
@@ -40,19 +39,20 @@ import dataclasses
 import gc
 import itertools
 import math
+import statistics
 import traceback
 from typing import Callable
 
-from interop.bench.registry import Implementation, NotApplicable, Steps
+from interop.bench.rows import Implementation, NotApplicable, Steps
 from interop.bench.report import Measurement
 from interop.bench.shapes import DECODE_TOKENS, BenchShape
 from interop.bench.timers import chained_calls, graph_replay_seconds, host_seconds_per_call, in_jit_seconds
 from interop.bench.workload import Workload
 
 JIT_DEVICE_SECONDS = 1e-3
-# Below the H200's 4.2 TB/s copy, so that estimates err toward more calls.
+# Below a large GPU's copy bandwidth, so that estimates err toward more calls.
 ESTIMATED_BYTES_PER_SECOND = 3e12
-# No call in a jit is shorter on the H200: a kernel of a few programs, launched.
+# About the shortest call in a jit: a kernel of a few programs, launched.
 CALL_FLOOR_SECONDS = 1.5e-6
 MIN_CALLS_PER_JIT = 8
 
@@ -120,13 +120,23 @@ def _launches(run, arguments, target: str) -> int:
     return run.lower(*arguments).compile().as_text().count(f'custom_call_target="{target}"')
 
 
-def _timed_in_jit(prepared: Steps, effort: Effort) -> dict:
-    """The check, then the in-jit time, of a JAX step."""
+def jit_calls(prepared: Steps, effort: Effort) -> int:
+    """The calls one jit of ``prepared`` holds: :func:`calls_per_jit` of its ``calls_bytes``
+    (or, where not given, the bytes it moves)."""
+    return calls_per_jit(prepared.calls_bytes or prepared.bytes_moved, most=effort.max_calls_per_jit)
+
+
+# A row's timer: one timing, (seconds per call, whether the host set the pace).
+Timer = Callable[[], tuple]
+
+
+def _ready_in_jit(prepared: Steps, effort: Effort) -> tuple[dict, Timer | None]:
+    """The check of a JAX step, and its in-jit timer (None where the check failed)."""
     sets = len(prepared.varying)
-    calls = calls_per_jit(prepared.bytes_moved, most=effort.max_calls_per_jit)
-    estimate = calls * estimated_call_seconds(prepared.bytes_moved)
+    calls = jit_calls(prepared, effort)
+    estimate = calls * estimated_call_seconds(prepared.calls_bytes or prepared.bytes_moved)
     run = chained_calls(prepared.step, calls, sets, fresh_outputs=prepared.fresh_outputs,
-                        opaque_step=prepared.kernel_target is not None)
+                        opaque_step=prepared.kernel_target is not None, shift_inputs=prepared.shift_inputs)
     arguments = (prepared.fixed, prepared.varying, prepared.new_outputs(), _zeros(calls))
     found = dict(bytes_moved=prepared.bytes_moved, input_sets=sets,
                  method=f"in-jit, {calls} calls/jit (~{estimate * 1e3:.2g} ms est.)")
@@ -134,52 +144,104 @@ def _timed_in_jit(prepared: Steps, effort: Effort) -> dict:
         launches = _launches(run, arguments, prepared.kernel_target)
         if launches != calls:
             return dict(found, check=f"FAIL: the jit launches {prepared.kernel_target} {launches} times for "
-                                     f"{calls} calls (XLA merged or dropped calls)")
+                                     f"{calls} calls (XLA merged or dropped calls)"), None
     outputs, _ = run(*arguments)
     found["check"] = prepared.check(outputs, (calls - 1) % sets)
     if found["check"] != "ok":
-        return found
-    seconds, host_bound = in_jit_seconds(run, prepared.fixed, prepared.varying, outputs, calls_per_jit=calls,
-                                         batch_seconds=effort.jax_batch_seconds, repeats=effort.jax_repeats)
-    return dict(found, seconds=seconds, method=found["method"] + (", host-bound" if host_bound else ""))
+        return found, None
+    checked = [outputs]
+
+    def timer():
+        given = checked.pop() if checked else prepared.new_outputs()  # the timer donates what it is given
+        return in_jit_seconds(run, prepared.fixed, prepared.varying, given, calls_per_jit=calls,
+                              batch_seconds=effort.jax_batch_seconds, repeats=effort.jax_repeats)
+    return found, timer
 
 
-def _timed(implementation: Implementation, workload: Workload, effort: Effort) -> dict:
-    """Check, then time: the fields of the measurement beyond its identity."""
+def _ready(implementation: Implementation, workload: Workload, effort: Effort) -> tuple[dict, Timer | None]:
+    """Check: the fields of the measurement beyond its identity, and the row's timer."""
     prepared = implementation.prepare(workload)
     if isinstance(prepared, Steps):
-        return _timed_in_jit(prepared, effort)
+        return _ready_in_jit(prepared, effort)
     found = dict(bytes_moved=prepared.bytes_moved, input_sets=prepared.sets, check=prepared.check())
     if found["check"] != "ok":
-        return found
+        return found, None
     if implementation.clock == "host":
-        seconds = host_seconds_per_call(prepared.call, prepared.sets, calls=effort.host_calls,
-                                        repeats=effort.host_repeats, wait=_wait_for(implementation))
-        return dict(found, seconds=seconds, method=f"host loop, {effort.host_calls} calls")
-    seconds = graph_replay_seconds(prepared.call, prepared.sets, rep_ms=effort.graph_ms)
-    return dict(found, seconds=seconds, method=f"graph replay, {effort.graph_ms:g} ms a graph")
+        wait = _wait_for(implementation)
+        return dict(found, method=f"host loop, {effort.host_calls} calls"), lambda: (host_seconds_per_call(
+            prepared.call, prepared.sets, calls=effort.host_calls, repeats=effort.host_repeats, wait=wait), False)
+    return dict(found, method=f"graph replay, {effort.graph_ms:g} ms a graph"), lambda: (graph_replay_seconds(
+        prepared.call, prepared.sets, rep_ms=effort.graph_ms), False)
+
+
+def _identity(implementation: Implementation, shape: BenchShape, total_ctx: int, dtype: str) -> dict:
+    return dict(shape=shape.name, dtype=dtype, implementation=implementation.name,
+                framework=implementation.framework, kind=implementation.kind, clock=implementation.clock,
+                tokens=total_ctx, baseline=implementation.baseline, does_op=implementation.does_op,
+                gemm=implementation.gemm)
+
+
+def _attempt(identity: dict, action: Callable, on_error) -> tuple[object, Measurement | None]:
+    """``(action(), None)``, or ``(None, the row saying why not)``: not applicable, or raised."""
+    try:
+        return action(), None
+    except NotApplicable as reason:
+        return None, Measurement(**identity, seconds=None, bytes_moved=0, check=f"n/a: {reason}")
+    except Exception as error:  # one failing row is reported and the run goes on
+        failed = Measurement(**identity, seconds=None, bytes_moved=0, error=f"{type(error).__name__}: {error}")
+        if on_error is not None:
+            on_error(failed, traceback.format_exc())
+        return None, failed
+
+
+def _measured(identity: dict, found: dict, timings: list[tuple[float, bool]]) -> Measurement:
+    """The row from its check's fields and its timings (one a round; none where its check failed)."""
+    if not timings:
+        return Measurement(**identity, **dict(dict(seconds=None, bytes_moved=0), **found))
+    seconds = [value for value, _ in timings]
+    method = found["method"] + (", host-bound" if any(bound for _, bound in timings) else "")
+    if len(seconds) > 1:
+        method += f", median of {len(seconds)} rounds ({min(seconds) * 1e6:.2f}-{max(seconds) * 1e6:.2f} us)"
+    return Measurement(**identity, **dict(found, seconds=statistics.median(seconds), method=method,
+                                          rounds=tuple(seconds) if len(seconds) > 1 else ()))
+
+
+def _missing_inputs() -> None:
+    raise RuntimeError("the inputs of this size could not be drawn (see the first error)")
 
 
 def measure(implementation: Implementation, workload: Workload | None, effort: Effort, *,
             shape: BenchShape, total_ctx: int, dtype: str,
             on_error: Callable[[Measurement, str], None] | None = None) -> Measurement:
-    """One row; ``workload`` None when drawing it failed (the row records that error)."""
-    identity = dict(shape=shape.name, dtype=dtype, implementation=implementation.name,
-                    framework=implementation.framework, kind=implementation.kind, clock=implementation.clock,
-                    tokens=total_ctx, baseline=implementation.baseline, does_op=implementation.does_op)
-    try:
-        if workload is None:
-            raise RuntimeError("the inputs of this size could not be drawn (see the first error)")
-        found = dict(seconds=None, bytes_moved=0)
-        found.update(_timed(implementation, workload, effort))
-        return Measurement(**identity, **found)
-    except NotApplicable as reason:
-        return Measurement(**identity, seconds=None, bytes_moved=0, check=f"n/a: {reason}")
-    except Exception as error:  # one failing row is reported and the run goes on
-        failed = Measurement(**identity, seconds=None, bytes_moved=0, error=f"{type(error).__name__}: {error}")
-        if on_error is not None:
-            on_error(failed, traceback.format_exc())
+    """One row, checked and timed once; ``workload`` None when drawing it failed (the row records that error)."""
+    identity = _identity(implementation, shape, total_ctx, dtype)
+    ready, failed = _attempt(identity, _missing_inputs if workload is None else
+                             lambda: _ready(implementation, workload, effort), on_error)
+    if failed is not None:
         return failed
+    found, timer = ready
+    if timer is None:
+        return _measured(identity, found, [])
+    timing, failed = _attempt(identity, timer, on_error)
+    return failed if failed is not None else _measured(identity, found, [timing])
+
+
+def measure_rounds(implementations: list[Implementation], workload: Workload | None, effort: Effort, rounds: int,
+                   *, shape: BenchShape, total_ctx: int, dtype: str,
+                   on_error: Callable[[Measurement, str], None] | None = None) -> list[Measurement]:
+    """Every row of one size checked, then timed once a round, the order reversed every other round."""
+    rows = []
+    for implementation in implementations:
+        identity = _identity(implementation, shape, total_ctx, dtype)
+        ready, failed = _attempt(identity, _missing_inputs if workload is None else
+                                 lambda: _ready(implementation, workload, effort), on_error)
+        rows.append(dict(identity=identity, ready=ready, failed=failed, timings=[]))
+    for index in range(rounds):
+        for row in rows if index % 2 == 0 else rows[::-1]:
+            if row["failed"] is None and row["ready"][1] is not None:
+                timing, row["failed"] = _attempt(row["identity"], row["ready"][1], on_error)
+                row["timings"].append(timing)
+    return [row["failed"] or _measured(row["identity"], row["ready"][0], row["timings"]) for row in rows]
 
 
 def _release_device_memory() -> None:
@@ -193,9 +255,10 @@ def _release_device_memory() -> None:
 
 
 def run(tasks: list[tuple[BenchShape, int, Implementation]], *, dtype: str, framework: str, effort: Effort = FULL,
-        progress=None, on_error: Callable[[Measurement, str], None] | None = None,
+        rounds: int = 1, progress=None, on_error: Callable[[Measurement, str], None] | None = None,
         on_size_done: Callable[[list[Measurement]], None] | None = None) -> list[Measurement]:
-    """Measure ``tasks`` (from :func:`plan`), inputs drawn in ``framework``.
+    """Measure ``tasks`` (from :func:`plan`), inputs drawn in ``framework``, each row timed
+    in ``rounds`` alternated rounds (module docstring).
 
     ``progress``: a tqdm-like bar, advanced once per row; ``on_size_done(rows so far)``
     after each shape and token count (to write partial results).
@@ -209,13 +272,23 @@ def run(tasks: list[tuple[BenchShape, int, Implementation]], *, dtype: str, fram
             if on_error is not None:
                 on_error(Measurement(shape.name, dtype, "inputs", framework, "-", "-", total_ctx, None, 0,
                                      error=f"{type(error).__name__}: {error}"), traceback.format_exc())
-        for _, _, implementation in group:
+        implementations = [implementation for _, _, implementation in group]
+        if rounds > 1:
             if progress is not None:
-                progress.set_postfix_str(f"{shape.name}, {total_ctx} tokens: {implementation.name}", refresh=False)
-            measurements.append(measure(implementation, workload, effort, shape=shape, total_ctx=total_ctx,
-                                        dtype=dtype, on_error=on_error))
+                progress.set_postfix_str(f"{shape.name}, {total_ctx} tokens: {rounds} rounds", refresh=False)
+            measurements += measure_rounds(implementations, workload, effort, rounds, shape=shape,
+                                           total_ctx=total_ctx, dtype=dtype, on_error=on_error)
             if progress is not None:
-                progress.update(1)
+                progress.update(len(implementations))
+        else:
+            for implementation in implementations:
+                if progress is not None:
+                    progress.set_postfix_str(f"{shape.name}, {total_ctx} tokens: {implementation.name}",
+                                             refresh=False)
+                measurements.append(measure(implementation, workload, effort, shape=shape, total_ctx=total_ctx,
+                                            dtype=dtype, on_error=on_error))
+                if progress is not None:
+                    progress.update(1)
         del workload
         _release_device_memory()
         if on_size_done is not None:

@@ -1,4 +1,4 @@
-"""One timer per regime, shared by ``fusedkv bench`` and the scripts in ``benchmarks/``.
+"""One timer per regime: ``fusedkv bench``'s, and the profiler's kernel times for ``scripts/two_gpu.py``.
 
 What each measures:
 
@@ -15,13 +15,19 @@ What each measures:
   its end; what an eager caller pays when the host is the bottleneck.
 * :func:`do_bench_seconds`: ``triton.testing.do_bench``'s median, one eager call at a
   time with the L2 flushed before each (device time plus any launch gap).
-* :func:`copy_bytes_per_second`: a 1 GiB device-to-device copy, bytes read plus written.
+* :func:`copy_bytes_per_second`: a 1 GiB device-to-device copy, bytes read plus written:
+  the device's copy ceiling, one size large enough that no cache or graph artefact of
+  a particular size shows in it.
+* :func:`gpu_kernel_events`: the GPU kernels of a ``jax.profiler`` trace, each its start
+  and duration as the device recorded them.
 
 Nothing here imports torch, triton or jax until a timer runs.
 """
 
 from __future__ import annotations
 
+import glob
+import re
 import statistics
 import time
 from typing import Callable
@@ -88,8 +94,28 @@ def copy_bytes_per_second(nbytes: int = COPY_BYTES) -> float:
     return 2 * nbytes / do_bench_seconds(lambda: destination.copy_(source))
 
 
+def gpu_kernel_events(trace_dir: str, device: int | None = None) -> list[tuple[int, int]]:
+    """``(start_ns, duration_ns)`` of every kernel on the GPU streams of the newest
+    ``jax.profiler`` trace in ``trace_dir``, sorted: of every GPU, or of GPU ``device`` alone."""
+    from jax.profiler import ProfileData
+
+    files = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
+    if not files:
+        return []
+    events = []
+    for plane in ProfileData.from_file(files[-1]).planes:
+        gpu = re.match(r"/device:GPU:(\d+)", plane.name)
+        if gpu is None or (device is not None and int(gpu[1]) != device):
+            continue
+        lines = list(plane.lines)
+        streams = [line for line in lines if line.name.startswith("Stream")] or lines
+        for line in streams:
+            events += [(event.start_ns, event.duration_ns) for event in line.events]
+    return sorted(events)
+
+
 def chained_calls(step: Callable, calls: int, sets: int, *, fresh_outputs: bool = False,
-                  opaque_step: bool = False):
+                  opaque_step: bool = False, shift_inputs: bool | None = None):
     """One jit of ``calls`` calls of ``step``, call ``j`` on input set ``j % sets``.
 
     ``step(fixed, varying, outputs) -> outputs``; the jit is ``run(fixed, varying_sets,
@@ -111,6 +137,9 @@ def chained_calls(step: Callable, calls: int, sets: int, *, fresh_outputs: bool 
     scheduling, past its common-subexpression passes (its CPU compiler removes them
     before one, and merged calls on one input set so), and the runner counts the
     kernel's launches in the compiled jit to make sure.
+
+    ``shift_inputs`` overrides that rule (None keeps it): rows compared with each other
+    (a materializer and its GEMM alone) feed their inputs the same way whatever their outputs.
     """
     import jax
     import jax.numpy as jnp
@@ -118,6 +147,8 @@ def chained_calls(step: Callable, calls: int, sets: int, *, fresh_outputs: bool 
     def shifted(varying, zero):
         return jax.tree.map(
             lambda a: a + zero.astype(a.dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, varying)
+
+    shift = fresh_outputs and not opaque_step if shift_inputs is None else shift_inputs
 
     def run(fixed, varying_sets, outputs, zeros):
         earlier = []
@@ -127,7 +158,7 @@ def chained_calls(step: Callable, calls: int, sets: int, *, fresh_outputs: bool 
                 varying, outputs = jax.lax.optimization_barrier((varying, outputs))
                 if fresh_outputs:
                     earlier.append(outputs)
-            if fresh_outputs and not opaque_step:
+            if shift:
                 varying = shifted(varying, zeros[call])
             outputs = step(fixed, varying, outputs)
         return outputs, earlier

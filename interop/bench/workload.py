@@ -59,6 +59,10 @@ class _TorchRandom:
         return self._torch.randint(0, MAX_POSITION, (count,), generator=self._generator, device=self._device,
                                    dtype=self._torch.int32)
 
+    def slots(self, count: int, num_slots: int):
+        torch = self._torch
+        return torch.randperm(num_slots, generator=self._generator, device=self._device)[:count].to(torch.int32)
+
     def put(self, host_array):
         return to_framework(host_array, "torch").to(self._device)
 
@@ -82,13 +86,17 @@ class _JaxRandom:
     def positions(self, count: int):
         return self._jax.random.randint(self._next_key(), (count,), 0, MAX_POSITION, self._jnp.int32)
 
+    def slots(self, count: int, num_slots: int):
+        return self._jax.random.permutation(self._next_key(), num_slots)[:count].astype(self._jnp.int32)
+
     def put(self, host_array):
         return to_framework(host_array, "jax")
 
 
 class Workload:
     """The inputs of one (shape, token count, dtype): ``set_count`` sets of ``kv`` and
-    positions, one set of per-layer arrays, and ``ctx_hidden`` sets for the materializers.
+    positions, one set of per-layer arrays, and ``ctx_hidden`` and cache slot sets for
+    the materializers (distinct slots of a paged cache of :attr:`num_slots` slots).
 
     ``framework`` is where the arrays are made; :meth:`op_args` and the other getters
     hand them to either framework (converted once, then kept). ``set_count`` defaults to
@@ -108,7 +116,13 @@ class Workload:
         self._kv = [self._random.normal(shape.kv_shape(total_ctx), dtype, 2.0) for _ in range(self.set_count)]
         self._positions = [self._random.positions(total_ctx) for _ in range(self.set_count)]
         self._hidden: list = []
+        self._slots: list = []
         self._converted: dict = {}
+
+    @property
+    def num_slots(self) -> int:
+        """Slots of the paged caches the materializers write into: twice the tokens."""
+        return 2 * self.total_ctx
 
     def sets(self, bytes_per_set: int) -> int:
         """How many of the sets an implementation moving ``bytes_per_set`` per call rotates over."""
@@ -141,3 +155,10 @@ class Workload:
         while len(self._hidden) <= index:
             self._hidden.append(self._random.normal((self.total_ctx, self.shape.hidden), self.dtype, 1.0))
         return self._in(framework, ("hidden", index), self._hidden[index])
+
+    def slots(self, index: int, framework: str):
+        """``cache_loc: int32[total_ctx]`` of set ``index``, distinct slots below
+        :attr:`num_slots`, drawn on first use."""
+        while len(self._slots) <= index:
+            self._slots.append(self._random.slots(self.total_ctx, self.num_slots))
+        return self._in(framework, ("slots", index), self._slots[index])

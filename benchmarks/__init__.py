@@ -1,1 +1,0 @@
-"""Benchmarks: run on a GPU machine from the tree, e.g. ``python -m benchmarks.bench_torch``."""

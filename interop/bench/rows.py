@@ -1,0 +1,127 @@
+"""What a row of ``fusedkv bench`` is: an :class:`Implementation` whose ``prepare`` turns a
+:class:`~interop.bench.workload.Workload` into :class:`Calls` or :class:`Steps`, and the
+pieces the op's rows share (poisoned outputs, the op called or stepped over every set).
+
+``prepare`` raises :class:`NotApplicable` for a shape, dtype or token count the
+implementation does not take; the row says so instead of a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from interop.bench.check import op_verdict
+from interop.bench.workload import Workload
+
+
+class NotApplicable(Exception):
+    """Raised by a ``prepare`` for what its implementation does not take; the message says what."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Calls:
+    """An implementation called once per ``call(i)`` on input set ``i`` (of ``sets``).
+
+    ``check()`` makes one call on poisoned outputs and returns its verdict.
+    """
+
+    call: Callable[[int], object]
+    sets: int
+    bytes_moved: int
+    check: Callable[[], str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """A JAX implementation as ``step(fixed, varying, outputs) -> outputs``, for
+    :func:`interop.bench.timers.chained_calls` to run many to a jit.
+
+    ``varying`` holds one tuple per input set; ``new_outputs()`` makes poisoned outputs;
+    ``check(outputs, index)`` judges the outputs of a call on set ``index``;
+    ``fresh_outputs``: the step allocates its outputs instead of writing the ones it is
+    given; ``kernel_target``: the step is one kernel XLA cannot fuse into, a custom call
+    of this target, which the compiled jit must launch once per call; ``shift_inputs``:
+    :func:`~interop.bench.timers.chained_calls`'s override of its rule (None keeps it);
+    ``calls_bytes``: the bytes a call's time is estimated from to size a jit, where not
+    ``bytes_moved`` (rows compared with each other run as many calls a jit).
+    """
+
+    step: Callable
+    fixed: object
+    varying: list
+    new_outputs: Callable[[], object]
+    bytes_moved: int
+    check: Callable[[object, int], str]
+    fresh_outputs: bool = False
+    kernel_target: str | None = None
+    shift_inputs: bool | None = None
+    calls_bytes: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One row of the table per token count.
+
+    ``framework``: whose arrays the caller holds and whose GPU it needs, ``"torch"``,
+    ``"jax"``, or a crossing such as ``"jax->torch"`` (the caller's first); ``clock``:
+    ``"device"`` or ``"host"``; ``baseline``: its time is a yardstick of the speed-up
+    column; ``does_op``: it computes the op and nothing more, so a speed-up is shown;
+    ``gemm``: the row timing the GEMM call this one makes, alone (the "x its GEMM" column).
+    """
+
+    name: str
+    framework: str
+    kind: str
+    prepare: Callable[[Workload], Calls | Steps]
+    clock: str = "device"
+    baseline: bool = False
+    does_op: bool = True
+    gemm: str = ""
+
+    @property
+    def frameworks(self) -> tuple[str, ...]:
+        return tuple(self.framework.split("->"))
+
+
+def nan_pair(workload: Workload, framework: str, rows: int | None = None) -> tuple:
+    """Poisoned ``(k, v)`` of the op's output shape, or of ``rows`` rows a layer (caches)."""
+    shape = workload.shape.output_shape(workload.total_ctx if rows is None else rows)
+    if framework == "torch":
+        import torch
+
+        return tuple(torch.full(shape, float("nan"), dtype=getattr(torch, workload.dtype),
+                                device=workload.torch_device) for _ in range(2))
+    import jax.numpy as jnp
+
+    return tuple(jnp.full(shape, jnp.nan, jnp.dtype(workload.dtype)) for _ in range(2))
+
+
+def op_calls(workload: Workload, framework: str, function, *, given_outputs: bool) -> Calls:
+    """``function(*op_args)``, or with ``k_out``/``v_out`` of its own set, checked as the op."""
+    shape = workload.shape
+    op_bytes = shape.op_bytes(workload.total_ctx, workload.dtype)
+    sets = workload.sets(op_bytes)
+    args = [workload.op_args(i, framework) for i in range(sets)]
+    if given_outputs:
+        outputs = [nan_pair(workload, framework) for _ in range(sets)]
+
+        def call(i):
+            return function(*args[i], k_out=outputs[i][0], v_out=outputs[i][1])
+    else:
+        def call(i):
+            return function(*args[i])
+
+    return Calls(call, sets, op_bytes, lambda: op_verdict(*call(0), *args[0], static=shape.static()))
+
+
+def op_steps(workload: Workload, step, *, fresh_outputs: bool = False, kernel_target: str | None = None) -> Steps:
+    """A JAX step of the op over every input set, one poisoned output pair chained through
+    (``fresh_outputs``: a step that allocates its own outputs instead; ``kernel_target``:
+    see :class:`Steps`)."""
+    shape = workload.shape
+    sets = workload.sets(shape.kv_nbytes(workload.total_ctx, workload.dtype))
+    return Steps(step, workload.shared("jax"), [workload.varying(i, "jax") for i in range(sets)],
+                 lambda: nan_pair(workload, "jax"), shape.op_bytes(workload.total_ctx, workload.dtype),
+                 lambda outputs, i: op_verdict(*outputs, *workload.op_args(i, "jax"), static=shape.static()),
+                 fresh_outputs, kernel_target)
