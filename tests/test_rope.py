@@ -79,9 +79,8 @@ def test_table_equals_transformers_rotary_embedding_cos_sin(case):
     their_inv_freq = rotary_embedding.inv_freq.double().numpy()
     np.testing.assert_allclose(their_inv_freq, inv_freq, rtol=8 * 2.0**-24, atol=0)
     assert rotary_embedding.attention_scaling == pytest.approx(attention_factor, rel=2.0**-52)
-    # transformers' angle is p times its fp32 inv_freq, rounded to fp32: off from ours by
-    # p * |inv_freq difference| plus half an ulp of the angle (up to 1e-3 rad at position
-    # 40000); its cos/sin and scaling, and our one rounding, add a few half-ulps of 1.
+    # transformers' angle, p times its fp32 inv_freq rounded to fp32, is off by p * |inv_freq
+    # difference| + half an ulp of the angle; cos/sin, scaling and our rounding add a few of 1.
     angles = positions[:, None] * np.tile(inv_freq, 2)[None, :]
     angle_error = positions[:, None] * np.tile(np.abs(their_inv_freq - inv_freq), 2)[None, :]
     tolerance = attention_factor * (angle_error + 2.0**-24 * angles + 8 * 2.0**-24)
