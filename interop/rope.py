@@ -39,6 +39,8 @@ _PARAMETERS = {
     "longrope": (("factor", "original_max_position_embeddings", "short_factor", "long_factor"),
                  ("attention_factor",)),
 }
+# Model types whose configs once wrote longrope as "su" or "yarn" (transformers renames them).
+_LONGROPE_SPELLINGS = {"phi3": ("su", "yarn"), "phi4_multimodal": ("su", "yarn")}
 _TYPE_PARAMETERS = tuple(dict.fromkeys(
     name for required, optional in _PARAMETERS.values() for name in required + optional))
 
@@ -117,7 +119,7 @@ class RopeConfig:
         ``head_dim`` or ``hidden_size // num_attention_heads``. A missing
         ``original_max_position_embeddings`` is ``max_position_embeddings`` (a top-level one
         takes precedence, as in transformers), and a missing yarn or longrope ``factor`` is
-        their ratio. ``layer_type`` picks one entry of ``rope_parameters`` given per layer
+        their ratio; Phi-3's ``su`` and ``yarn`` are its longrope. ``layer_type`` picks one entry of ``rope_parameters`` given per layer
         type (``layer_types``).
         """
         if not isinstance(config, Mapping):
@@ -125,6 +127,8 @@ class RopeConfig:
                             f"{_type_name(config)}, expected a dict (a model's config.json).")
         parameters = _rope_parameters(config, layer_type)
         rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+        if rope_type in _LONGROPE_SPELLINGS.get(config.get("model_type"), ()):
+            rope_type = "longrope"
         _check_rope_type(rope_type)
         theta = _given(parameters.get("rope_theta"), config.get("rope_theta"))
         if theta is None:

@@ -1,6 +1,7 @@
 """RoPE tables from a model config (``interop.rope``) against transformers' own rope
 initialisation and rotary embedding modules, and the builder's refusals."""
 
+import copy
 import importlib
 import json
 
@@ -44,6 +45,11 @@ CASES = {
                                           rope_scaling=LLAMA3), 40000),
     "longrope-long": ("phi3", "Phi3", dict(rope_theta=10000.0, original_max_position_embeddings=4096,
                                            rope_scaling=LONGROPE), 40000),
+    "longrope-spelt-yarn": ("phi3", "Phi3", dict(rope_theta=10000.0, original_max_position_embeddings=4096,
+                                                rope_scaling=dict(LONGROPE, type="yarn")), 40000),
+    "yarn-top-level-original-context": ("llama", "Llama", dict(
+        head_dim=32, rope_theta=10000.0, original_max_position_embeddings=2048,
+        rope_scaling=dict(YARN, original_max_position_embeddings=8192)), 40000),
     "longrope-short": ("phi3", "Phi3", dict(rope_theta=10000.0, original_max_position_embeddings=4096,
                                             rope_scaling=LONGROPE), 4096),
 }
@@ -55,7 +61,8 @@ def _transformers_rope(case):
     pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     family, prefix, kwargs, _ = CASES[case]
-    config = getattr(transformers, f"{prefix}Config")(**HIDDEN, **kwargs)
+    # A copy: transformers' configs write their defaults into the rope_scaling dict they get.
+    config = getattr(transformers, f"{prefix}Config")(**HIDDEN, **copy.deepcopy(kwargs))
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     rotary_embedding = getattr(module, f"{prefix}RotaryEmbedding")(config)
     return config, rotary_embedding, json.loads(config.to_json_string())  # what save_pretrained writes
@@ -95,9 +102,8 @@ def test_table_equals_transformers_rotary_embedding_cos_sin(case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_transformers_4x_config_reads_as_its_5x_form(case):
-    _, _, config_json = _transformers_rope(case)
-    family, prefix, kwargs, _ = CASES[case]
-    legacy = dict(HIDDEN, **kwargs)  # rope_theta, rope_scaling, partial_rotary_factor at the top
+    config, _, config_json = _transformers_rope(case)
+    legacy = dict(HIDDEN, **CASES[case][2], model_type=config.model_type)  # rope_* at the top
     assert "rope_parameters" not in legacy and "rope_parameters" in config_json
     assert RopeConfig.from_hf_config(legacy) == RopeConfig.from_hf_config(config_json)
 
