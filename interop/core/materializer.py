@@ -28,6 +28,7 @@ from interop.core.reference import (
     fused_kv_norm_rope_reference,
     rope_cos_sin_cache,
 )
+from interop.core.rope import RopeParameters, rope_cos_sin_table
 from interop.core.spec import (
     KV_DTYPES,
     FusedKVConfig,
@@ -43,24 +44,48 @@ from interop.core.spec import (
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """A layer's rotary embedding: the table rows ``p < max_position`` of base ``base``.
+    """A layer's rotary embedding: the table rows ``p < max_position`` of base ``base``, or,
+    with ``parameters``, of a scaled RoPE type (:class:`interop.core.rope.RopeParameters`).
 
     ``rotary_dim`` must be an int (its range against ``head_dim`` is the op's check) and
-    ``max_position`` a positive int; anything else is refused here, at construction.
+    ``max_position`` a positive int; ``parameters``, where given, must agree with
+    ``rotary_dim`` and ``base``. Anything else is refused here, at construction.
     """
 
     rotary_dim: int
     max_position: int
     base: float = 10000.0
     style: str = "neox"
+    parameters: RopeParameters | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "rotary_dim", integer_argument("rotary_dim", self.rotary_dim,
                                                                 "an even int in [2, head_dim]"))
         object.__setattr__(self, "max_position", size_argument("max_position", self.max_position))
+        parameters = self.parameters
+        if parameters is not None and (not isinstance(parameters, RopeParameters)
+                                       or (parameters.rotary_dim, parameters.theta) != (self.rotary_dim, self.base)):
+            raise ValueError(
+                f"Invalid rope parameters for fused KV materialization: got {parameters!r}, expected "
+                f"RopeParameters of rotary_dim={self.rotary_dim} and theta={self.base} (or None)."
+            )
+
+    def __repr__(self) -> str:  # a plain table's repr without its unused parameters: messages quote it
+        parameters = "" if self.parameters is None else f", parameters={self.parameters!r}"
+        return (f"RopeConfig(rotary_dim={self.rotary_dim}, max_position={self.max_position}, base={self.base}, "
+                f"style={self.style!r}{parameters})")
+
+    @classmethod
+    def from_hf_config(cls, config, *, max_position: int, style: str = "neox",
+                       layer_type: str | None = None) -> RopeConfig:
+        """A layer's rope from a model's ``config.json`` dict (:meth:`RopeParameters.from_hf_config`)."""
+        parameters = RopeParameters.from_hf_config(config, layer_type=layer_type)
+        return cls(parameters.rotary_dim, max_position, parameters.theta, style, parameters)
 
     def cos_sin_cache(self) -> np.ndarray:
-        """fp32[max_position, rotary_dim], built by the reference's one table builder."""
+        """fp32[max_position, rotary_dim]: the reference's table, or the scaled type's."""
+        if self.parameters is not None:
+            return rope_cos_sin_table(self.parameters, self.max_position)
         return rope_cos_sin_cache(self.max_position, self.rotary_dim, self.base)
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 from interop.core.arrays import as_numpy
+from interop.core.rope import base_inverse_frequencies, cos_sin_rows
 from interop.core.spec import validate_cache_call, validate_call
 
 
@@ -209,7 +210,8 @@ def _normalized(k, k_norm_weight, eps):
 
 
 def rope_cos_sin_cache(max_position: int, rotary_dim: int, base: float = 10000.0) -> np.ndarray:
-    """fp32[max_position, rotary_dim]: the standard RoPE table, cos values then sin values."""
-    inv_freq = 1.0 / (base ** (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim))
-    angles = np.arange(max_position, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.concatenate([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)
+    """fp32[max_position, rotary_dim]: the standard RoPE table, cos values then sin values.
+
+    The ``default`` type of :func:`interop.core.rope.rope_cos_sin_table`, without its checks.
+    """
+    return cos_sin_rows(base_inverse_frequencies(base, rotary_dim), max_position)
