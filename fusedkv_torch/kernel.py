@@ -122,10 +122,13 @@ def _tile_of_program(total_ctx, N_LAYERS: tl.constexpr, NUM_HEADS: tl.constexpr,
 @triton.jit
 def _destination_rows(tokens, in_context, slots_ptr, slots_stride, num_slots):
     """``(rows, written)``: row ``t`` for token ``t``, or its cache slot, skipped outside the cache."""
+    # One return per helper: the compiler checks every return's type, even in a branch
+    # it never generates.
+    rows, written = tokens, in_context
     if slots_ptr is not None:
         rows = tl.load(slots_ptr + tokens * slots_stride, mask=in_context, other=-1).to(tl.int64)
-        return rows, in_context & (rows >= 0) & (rows < num_slots)
-    return tokens, in_context
+        written = in_context & (rows >= 0) & (rows < num_slots)
+    return rows, written
 
 
 @triton.jit
@@ -153,12 +156,13 @@ def _load_norm(weight_ptr, layer, weight_stride_l, weight_stride_d, every_row, e
     it), each thread its own copy (L1 serves the repeats), so they arrive in K's register
     layout: a [1, 1, dims] row would be shuffled through shared memory to meet it.
     """
+    first, second, tail, eps = 1.0, 1.0, 1.0, 0.0
     if weight_ptr is not None:
         rows = weight_ptr + layer * weight_stride_l + every_row
         first, second, tail = _load_head_rows(rows, weight_stride_d, every_row == 0, TOKENS, HEADS, PAIR_BLOCK,
                                               TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ)
-        return first, second, tail, tl.load(eps_ptr + layer * eps_stride)
-    return 1.0, 1.0, 1.0, 0.0
+        eps = tl.load(eps_ptr + layer * eps_stride)
+    return first, second, tail, eps
 
 
 @triton.jit
@@ -167,16 +171,18 @@ def _inverse_rms(first, second, tail, eps, rotatable, weight_ptr, HEAD_DIM: tl.c
     zeros where there is no scale to normalize by (rsqrt flushes denormals, hence a
     threshold), NaN where the sum of squares is not finite or the token has no rotation.
     Without a K-norm (``weight_ptr`` None): 1, or NaN where the token has no rotation."""
-    if weight_ptr is None:
-        return tl.where(rotatable, 1.0, float("nan"))[:, None, None]
-    sum_squares = tl.sum(first * first, 2) + tl.sum(second * second, 2)
-    if TAIL_BLOCK > 0:
-        sum_squares += tl.sum(tail * tail, 2)
-    # A product with the constant 1/HEAD_DIM, exact for powers of two and otherwise within
-    # an fp32 ulp of the mean: a division would add a slow-path branch for nothing.
-    mean_square_eps = sum_squares * (1.0 / HEAD_DIM) + eps
-    inv_rms = tl.where(mean_square_eps < _SMALLEST_NORMAL, 0.0, tl.math.rsqrt(mean_square_eps))
-    return tl.where(rotatable[:, None] & (sum_squares < float("inf")), inv_rms, float("nan"))[:, :, None]
+    inv_rms = tl.where(rotatable, 1.0, float("nan"))[:, None, None]
+    if weight_ptr is not None:
+        sum_squares = tl.sum(first * first, 2) + tl.sum(second * second, 2)
+        if TAIL_BLOCK > 0:
+            sum_squares += tl.sum(tail * tail, 2)
+        # A product with the constant 1/HEAD_DIM, exact for powers of two and otherwise within
+        # an fp32 ulp of the mean: a division would add a slow-path branch for nothing.
+        mean_square_eps = sum_squares * (1.0 / HEAD_DIM) + eps
+        normalizing = tl.where(mean_square_eps < _SMALLEST_NORMAL, 0.0, tl.math.rsqrt(mean_square_eps))
+        inv_rms = tl.where(rotatable[:, None] & (sum_squares < float("inf")), normalizing,
+                           float("nan"))[:, :, None]
+    return inv_rms
 
 
 @triton.jit
@@ -188,29 +194,30 @@ def _rotate(first, second, cos, sin):
 @triton.jit
 def _layer_scale(scale_ptr, layer, stride):
     """``(scale, 1/scale)`` of the layer's fp8 cache; ones for a cache that is not fp8."""
+    scale, inverse = 1.0, 1.0
     if scale_ptr is not None:
         scale = tl.load(scale_ptr + layer * stride)
-        return scale, tl.div_rn(1.0, scale)
-    return 1.0, 1.0
+        inverse = tl.div_rn(1.0, scale)
+    return scale, inverse
 
 
 @triton.jit
 def _layer_multiplier(multiplier_ptr, layer, stride):
     """The layer's V multiplier; 1 where V is copied (``multiplier_ptr`` None)."""
+    multiplier = 1.0
     if multiplier_ptr is not None:
-        return tl.load(multiplier_ptr + layer * stride)
-    return 1.0
+        multiplier = tl.load(multiplier_ptr + layer * stride)
+    return multiplier
 
 
 @triton.jit
 def _v_to_destination(v, multiplier_ptr, multiplier, scale_ptr, scale, inverse_scale, dtype: tl.constexpr):
     """V as its destination holds it: as loaded (bit for bit, NaN payloads included), or
     ``v * multiplier`` in fp32 and then :func:`_to_destination`."""
-    if multiplier_ptr is not None or scale_ptr is not None:
-        values = v.to(tl.float32)
-        if multiplier_ptr is not None:
-            values = values * multiplier
-        return _to_destination(values, scale_ptr, scale, inverse_scale, dtype)
+    if multiplier_ptr is not None:
+        v = _to_destination(v.to(tl.float32) * multiplier, scale_ptr, scale, inverse_scale, dtype)
+    elif scale_ptr is not None:
+        v = _to_destination(v.to(tl.float32), scale_ptr, scale, inverse_scale, dtype)
     return v
 
 

@@ -85,7 +85,7 @@ def test_rotary_dim_must_be_even_and_at_most_head_dim(argv, capsys, monkeypatch)
                                        "of 128 needs"),
     (["--tokens", "16", "--head-dim", "100000"], "argument --head-dim: a cos/sin table of 32768 rows of "
                                                  "100000 needs"),
-    (["--head-dim", "100000", "--rotary-dim", "99998"], "argument --rotary-dim: a cos/sin table of 32768 "
+    (["--tokens", "16", "--head-dim", "100000", "--rotary-dim", "99998"], "argument --rotary-dim: a cos/sin table of 32768 "
                                                         "rows of 99998 needs"),
 ])
 def test_sizes_beyond_the_machines_memory_are_refused_naming_the_option_to_shrink(argv, start, capsys,

@@ -739,3 +739,14 @@ def test_dependent_launch_reads_what_the_kernel_ahead_of_it_wrote(captured):
     assert not torch.isnan(v1).any()
     chained = dataclasses.replace(first, kv=as_numpy(second_kv), positions=second_positions_host)
     assert_matches_reference(chained, REAL, k2, v2)
+
+
+def test_the_kernel_compiles_for_the_gpu_in_every_form_a_call_takes(tmp_path):
+    # The interpreter runs what the compiler refuses (a helper whose returns differ in type,
+    # even in a branch it never generates): compile for Hopper here, without one.
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(root),
+           "TRITON_CACHE_DIR": str(tmp_path), "HOME": str(tmp_path)}
+    result = subprocess.run([sys.executable, str(root / "tests" / "compile_triton_kernel.py")], env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]

@@ -1,0 +1,56 @@
+"""Compiles the Triton kernel for a Hopper GPU without one (to PTX and a cubin, which
+Triton's own ptxas builds), for every form a call can take: each optional argument given
+or None, both RoPE styles, with and without an unrotated tail. Run by
+test_torch_kernel.py in a process without TRITON_INTERPRET; exits non-zero on the first
+form that does not compile, printing it and the compiler's error."""
+
+import itertools
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from fusedkv_torch import kernel
+
+OPTIONAL = ("k_norm_weight_ptr", "slots_ptr", "k_scale_ptr", "v_scale_ptr", "v_multiplier_ptr")
+TENSORS = {"kv_ptr": "*bf16", "k_norm_weight_ptr": "*fp32", "eps_ptr": "*fp32", "cos_sin_ptr": "*fp32",
+           "positions_ptr": "*i32", "slots_ptr": "*i32", "k_dest_ptr": "*bf16", "v_dest_ptr": "*bf16",
+           "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "v_multiplier_ptr": "*fp32"}
+
+
+def compile_form(given: set, gptj: bool, tail: int) -> None:
+    function = kernel._fused_kv_norm_rope_kernel
+    names = list(function.arg_names)
+    head_dim = 128
+    sizes = dict(N_LAYERS=5, NUM_HEADS=8, HEAD_DIM=head_dim, ROTARY_DIM=head_dim - tail, GPTJ=gptj, BLOCK_T=2,
+                 BLOCK_HEADS=4, PAIR_BLOCK=(head_dim - tail) // 2, TAIL_BLOCK=tail, HEAD_BLOCK=head_dim,
+                 DEPENDENT_LAUNCH=True)
+    signature, constants = {}, {}
+    for name in names:
+        absent = name in OPTIONAL and name not in given or name == "eps_ptr" and "k_norm_weight_ptr" not in given
+        if name in TENSORS and not absent:
+            quantized = name == "k_dest_ptr" and "k_scale_ptr" in given or name == "v_dest_ptr" and "v_scale_ptr" in given
+            signature[name] = "*fp8e4nv" if quantized else TENSORS[name]
+        elif name in TENSORS or name in sizes:
+            signature[name] = "constexpr"
+            constants[(names.index(name),)] = sizes.get(name)
+        else:
+            signature[name] = "i32"
+    triton.compile(ASTSource(function, signature, constants), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 4})
+
+
+def main() -> int:
+    forms = [set(), set(OPTIONAL)] + [set(OPTIONAL) - {name} for name in OPTIONAL]
+    for given, gptj, tail in itertools.product(forms, (False, True), (0, 64)):
+        try:
+            compile_form(given, gptj, tail)
+        except Exception as error:  # the compiler's own errors, printed for the test's message
+            print(f"given={sorted(given)} gptj={gptj} tail={tail}: {type(error).__name__}: {error}")
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
