@@ -35,6 +35,8 @@ class FusedKVMaterializer:
     ``W`` stacks the layers' ``kv_proj_weight`` (each ``[2*kv_size, hidden]``, K rows then
     V rows) into ``[n_layers*2*kv_size, hidden]``, so that the GEMM's output reshapes to
     ``kv: dtype[total_ctx, n_layers, 2*kv_size]`` for free; ``dtype`` is the weights'.
+    Layers with a ``kv_proj_bias`` have it added to the GEMM's output in the same jit
+    (``kv = ctx_hidden @ W^T + b``), where XLA folds it into the GEMM.
 
     Args:
       layers: one :class:`~interop.core.materializer.LayerKV` per draft layer, holding
@@ -49,7 +51,9 @@ class FusedKVMaterializer:
         layers = tuple(layers)
         self.config = validate_layers(layers, cos_sin_cache, accepted="jax")
         self.kv_proj_weight = jnp.concatenate([jnp.asarray(layer.kv_proj_weight) for layer in layers])
-        self.k_norm_weight = self.eps = self.v_multiplier = None  # a draft without them
+        self.kv_proj_bias = self.k_norm_weight = self.eps = self.v_multiplier = None  # a draft without them
+        if self.config.biased:
+            self.kv_proj_bias = jnp.concatenate([jnp.asarray(layer.kv_proj_bias) for layer in layers])
         if self.config.normed:
             self.k_norm_weight = jnp.stack(
                 [jnp.asarray(layer.k_norm_weight).astype(jnp.float32) for layer in layers])
@@ -60,18 +64,19 @@ class FusedKVMaterializer:
             layers[0].rope.cos_sin_cache() if cos_sin_cache is None else cos_sin_cache)
 
     def tree_flatten(self):
-        return (self.kv_proj_weight, self.k_norm_weight, self.eps, self.cos_sin_cache, self.v_multiplier), self.config
+        return (self.kv_proj_weight, self.kv_proj_bias, self.k_norm_weight, self.eps, self.cos_sin_cache,
+                self.v_multiplier), self.config
 
     @classmethod
     def tree_unflatten(cls, config, leaves):
         materializer = object.__new__(cls)
         materializer.config = config
-        (materializer.kv_proj_weight, materializer.k_norm_weight, materializer.eps,
+        (materializer.kv_proj_weight, materializer.kv_proj_bias, materializer.k_norm_weight, materializer.eps,
          materializer.cos_sin_cache, materializer.v_multiplier) = leaves
         return materializer
 
     def project(self, ctx_hidden: jax.Array) -> jax.Array:
-        """``kv = ctx_hidden @ W^T``: dtype[total_ctx, n_layers, 2*kv_size].
+        """``kv = ctx_hidden @ W^T (+ b)``: dtype[total_ctx, n_layers, 2*kv_size].
 
         ``ctx_hidden: float[total_ctx, hidden]``, cast once to the weights' dtype.
         """
@@ -170,6 +175,8 @@ class FusedKVMaterializer:
 def _project(materializer: FusedKVMaterializer, ctx_hidden: jax.Array) -> jax.Array:
     weight = materializer.kv_proj_weight
     kv = jnp.dot(ctx_hidden.astype(weight.dtype), weight.T)
+    if materializer.kv_proj_bias is not None:
+        kv = kv + materializer.kv_proj_bias
     return kv.reshape(materializer.config.kv_shape(ctx_hidden.shape[0]))
 
 

@@ -64,8 +64,8 @@ def head_parallel_materializer(
     """A materializer for ``jax.shard_map`` over ``axis_name``, each device its own heads, and its in_specs.
 
     Device ``r`` of the axis (of size ``R``) gets the column-parallel share of every
-    layer (:func:`~interop.core.materializer.head_parallel_layers`: the K and V rows of
-    heads ``[r*H/R, (r+1)*H/R)``); the k_norm weights, eps and cos/sin table are
+    layer (:func:`~interop.core.materializer.head_parallel_layers`: the K and V rows, and
+    biases, of heads ``[r*H/R, (r+1)*H/R)``); the k_norm weights, eps and cos/sin table are
     replicated. Inside the ``shard_map`` the materializer is the one-device
     materializer of that device's heads: ``materialize`` returns ``[n_layers,
     total_ctx, H/R, head_dim]`` (``out_specs=P(None, None, axis_name)`` assembles the
@@ -84,10 +84,11 @@ def head_parallel_materializer(
     config = shares[0].config
     by_head = PartitionSpec(axis_name)
     whole = PartitionSpec()
-    # The projection weight is split by heads; every other array (None where a draft has none) is whole.
+    # The projection weight and bias are split by heads; every other array (None where a draft has none) is whole.
     children, _ = shares[0].tree_flatten()
-    children = (jnp.concatenate([share.kv_proj_weight for share in shares]), *children[1:])
-    child_specs = [by_head] + [None if child is None else whole for child in children[1:]]
+    children = (jnp.concatenate([share.kv_proj_weight for share in shares]),
+                jnp.concatenate([share.kv_proj_bias for share in shares]) if config.biased else None, *children[2:])
+    child_specs = [None if child is None else by_head if index < 2 else whole for index, child in enumerate(children)]
     placed = [None if child is None else jax.device_put(child, NamedSharding(mesh, spec))
               for child, spec in zip(children, child_specs)]
     return (FusedKVMaterializer.tree_unflatten(config, placed),

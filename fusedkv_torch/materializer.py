@@ -94,6 +94,7 @@ class FusedKVMaterializer:
     ``W`` stacks the layers' ``kv_proj_weight`` (each ``[2*kv_size, hidden]``, K rows then
     V rows) into ``[n_layers*2*kv_size, hidden]``, so that the GEMM's output reshapes to
     ``kv: dtype[total_ctx, n_layers, 2*kv_size]`` for free; ``dtype`` is the weights'.
+    Layers with a ``kv_proj_bias`` have it added by the GEMM (``kv = ctx_hidden @ W^T + b``).
 
     Args:
       layers: one :class:`~interop.core.materializer.LayerKV` per draft layer, holding
@@ -112,7 +113,9 @@ class FusedKVMaterializer:
         weight = torch.cat([layer.kv_proj_weight for layer in layers])
         device = weight.device
         self.kv_proj_weight = weight
-        self.k_norm_weight = self.eps = self.v_multiplier = None  # a draft without them
+        self.kv_proj_bias = self.k_norm_weight = self.eps = self.v_multiplier = None  # a draft without them
+        if self.config.biased:
+            self.kv_proj_bias = torch.cat([layer.kv_proj_bias.to(device) for layer in layers])
         if self.config.normed:
             self.k_norm_weight = torch.stack(
                 [layer.k_norm_weight.to(device=device, dtype=torch.float32) for layer in layers])
@@ -140,7 +143,7 @@ class FusedKVMaterializer:
             self._staging = _grown(self._staging, numel, "staging buffer")
 
     def project(self, ctx_hidden: torch.Tensor) -> torch.Tensor:
-        """``kv = ctx_hidden @ W^T``: dtype[total_ctx, n_layers, 2*kv_size], a view of the workspace.
+        """``kv = ctx_hidden @ W^T (+ b)``: dtype[total_ctx, n_layers, 2*kv_size], a view of the workspace.
 
         ``ctx_hidden: float[total_ctx, hidden]``, cast once to the weights' dtype. The
         view is overwritten by the next call on this materializer.
@@ -263,5 +266,9 @@ class FusedKVMaterializer:
 
     def _project_into(self, gemm_out: torch.Tensor, ctx_hidden: torch.Tensor) -> None:
         # The workspace slice is contiguous and of the GEMM's exact output shape, so
-        # mm writes it in place rather than resizing it.
-        torch.mm(ctx_hidden.to(self.kv_proj_weight.dtype), self._weight_t, out=gemm_out)
+        # mm writes it in place rather than resizing it; addmm adds a bias in the GEMM's epilogue.
+        hidden = ctx_hidden.to(self.kv_proj_weight.dtype)
+        if self.kv_proj_bias is None:
+            torch.mm(hidden, self._weight_t, out=gemm_out)
+        else:
+            torch.addmm(self.kv_proj_bias, hidden, self._weight_t, out=gemm_out)

@@ -357,13 +357,14 @@ def random_case(
     seed: int = 0,
     k_norm: bool = True,
     v_multiplier: bool = False,
+    kv_bias: bool = False,
 ) -> MaterializerCase:
     """Fresh random layers and hidden states; k_norm weights, eps and positions as the op's
     (no K-norm where ``k_norm`` is False; ``v_multiplier``: a random value scale per layer,
-    of the size real drafts use).
+    of the size real drafts use; ``kv_bias``: a random projection bias per layer).
 
     Projection weights are gaussian with variance 1/hidden so that kv, like the op's
-    random inputs, is of order one.
+    random inputs, is of order one; biases are gaussian of variance 1/4.
     """
     op_inputs = random_inputs(op, n_layers=n_layers, total_ctx=total_ctx, max_position=max_position,
                               position_dtype=position_dtype, seed=seed)
@@ -372,11 +373,14 @@ def random_case(
     weights /= np.sqrt(hidden)
     rope = RopeConfig(op.rotary_dim, max_position, style=op.rope_style)
     multipliers = rng.uniform(0.6, 0.72, size=n_layers) if v_multiplier else [None] * n_layers
+    ctx_hidden = rng.standard_normal((total_ctx, hidden), dtype=np.float32).astype(numpy_dtype(dtype))
+    biases = [None] * n_layers
+    if kv_bias:  # drawn last, so that a case without biases is the one drawn before biases existed
+        biases = (rng.standard_normal((n_layers, 2 * op.kv_size), dtype=np.float32) / 2).astype(numpy_dtype(dtype))
     layers = tuple(
         LayerKV(weights[index].astype(numpy_dtype(dtype)), op_inputs.k_norm_weight[index] if k_norm else None,
                 float(op_inputs.eps[index]) if k_norm else None, op.num_kv_heads, op.head_dim, rope,
-                None if multipliers[index] is None else float(multipliers[index]))
+                None if multipliers[index] is None else float(multipliers[index]), biases[index])
         for index in range(n_layers)
     )
-    ctx_hidden = rng.standard_normal((total_ctx, hidden), dtype=np.float32).astype(numpy_dtype(dtype))
     return MaterializerCase(layers, ctx_hidden, op_inputs.positions)

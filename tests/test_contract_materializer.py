@@ -20,11 +20,11 @@ import pytest
 from backends import host
 from cases import FP8, poisoned
 from interop.core.arrays import numpy_dtype
-from interop.core.materializer import stacked_op_arrays
+from interop.core.materializer import projection_reference, stacked_op_arrays
 from interop.testing import random_case
 from interop.core.reference import fused_kv_norm_rope_reference, rope_cos_sin_cache
 from interop.core.spec import FusedKVConfig
-from interop.testing import END_TO_END_TOLERANCE, assert_bit_exact, assert_close, assert_fp8_close
+from interop.testing import END_TO_END_TOLERANCE, Tolerance, assert_bit_exact, assert_close, assert_fp8_close
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
 
@@ -65,15 +65,25 @@ class Setup:
 
 
 def setup(backend, op=OP, *, n_layers=3, hidden=64, total_ctx=8, position_dtype="int32", positions_on_host=False,
-          seed=0, dtype="bfloat16", k_norm=True, v_multiplier=False, **materializer_options) -> Setup:
+          seed=0, dtype="bfloat16", k_norm=True, v_multiplier=False, kv_bias=False, **materializer_options) -> Setup:
     case = random_case(op, n_layers=n_layers, hidden=hidden, total_ctx=total_ctx, max_position=256,
-                       dtype=dtype, position_dtype=position_dtype, seed=seed, k_norm=k_norm, v_multiplier=v_multiplier)
-    layers = [dataclasses.replace(layer, kv_proj_weight=backend.put(layer.kv_proj_weight),
-                                  k_norm_weight=None if layer.k_norm_weight is None else backend.put(layer.k_norm_weight))
-              for layer in case.layers]
+                       dtype=dtype, position_dtype=position_dtype, seed=seed, k_norm=k_norm, v_multiplier=v_multiplier,
+                       kv_bias=kv_bias)
+    layers = [_on(backend, layer) for layer in case.layers]
     return Setup(backend, case, backend.kernel.FusedKVMaterializer(layers, **materializer_options),
                  backend.put(case.ctx_hidden), backend.put_small(case.positions, positions_on_host))
 
+
+def _on(backend, layer):
+    """The layer with its arrays on the backend."""
+    arrays = {field: getattr(layer, field) for field in ("kv_proj_weight", "kv_proj_bias", "k_norm_weight")}
+    return dataclasses.replace(layer, **{field: None if array is None else backend.put(array)
+                                         for field, array in arrays.items()})
+
+
+# kv is rounded to bfloat16 once (in the GEMM's epilogue) or twice (the dot, then the sum with
+# the bias): 1 ulp of the sum, and half an ulp of a dot below 8 in magnitude, 2**-7.
+BIASED_GEMM_TOLERANCE = Tolerance(ulps=1, atol=2.0 ** -7, reason="the dot may be rounded before its bias is added")
 
 REAL_OP = FusedKVConfig(num_kv_heads=8, head_dim=128, rotary_dim=128)
 
@@ -132,6 +142,38 @@ class TestMaterializer:
             layers[2] = dataclasses.replace(layers[2], **change)
             with pytest.raises(ValueError, match=re.escape(f"Invalid fused KV materializer layer 2: {message}")):
                 backend.kernel.FusedKVMaterializer(layers)
+
+    def test_a_projection_bias_is_added_by_the_gemm_on_every_path(self, backend):
+        s = setup(backend, seed=6, kv_bias=True)
+        kv = s.kv()
+        kv_expected = projection_reference(s.case.layers, s.case.ctx_hidden).astype(kv.dtype)
+        assert_close(kv, kv_expected, name="kv", tolerance=BIASED_GEMM_TOLERANCE)
+        k, v = s.materializer.materialize(s.ctx_hidden, s.positions)
+        k_expected, v_expected = s.case.op_reference(kv)
+        assert_close(k, k_expected)
+        assert_bit_exact(v, v_expected)
+        k_e2e, v_e2e = s.case.end_to_end_reference()
+        assert_close(k, k_e2e, tolerance=END_TO_END_TOLERANCE)
+        assert_close(v, v_e2e, name="v", tolerance=END_TO_END_TOLERANCE)
+        cache_loc = np.arange(8)[::-1].copy()
+        k_cache, v_cache = s.into_cache(backend.put(cache_loc), s.poisoned_cache(), s.poisoned_cache())
+        assert_close(k_cache[:, 7::-1], k_expected, name="k_cache")
+        assert_bit_exact(v_cache[:, 7::-1], v_expected, name="v_cache")
+
+    @pytest.mark.parametrize("change, message", [
+        (lambda layer, backend: dict(kv_proj_bias=None),
+         "kv_proj_bias got none, expected a kv_proj_bias as in layer 0."),
+        (lambda layer, backend: dict(kv_proj_bias=layer.kv_proj_bias[:64]),
+         "kv_proj_bias shape got (64,), expected (128,) = (2*num_kv_heads*head_dim,)."),
+        (lambda layer, backend: dict(kv_proj_bias=backend.put(host(layer.kv_proj_bias).astype(np.float32))),
+         "kv_proj_bias dtype got float32, expected bfloat16, the kv_proj_weight dtype."),
+    ], ids=["missing-in-one-layer", "shape", "dtype"])
+    def test_a_bad_projection_bias_is_refused_naming_the_layer(self, backend, change, message):
+        layers = _layers_on(backend, n_layers=3, kv_bias=True)
+        layers[2] = dataclasses.replace(layers[2], **change(layers[2], backend))
+        message = f"Invalid fused KV materializer layer 2: {message}"
+        with pytest.raises(ValueError, match=backend.error_pattern(message)):
+            backend.kernel.FusedKVMaterializer(layers)
 
     def test_end_to_end_matches_the_fp32_numpy_path(self, backend):
         s = setup(backend, seed=3)
@@ -334,9 +376,9 @@ class TestMaterializer:
                 "interop.core.materializer.LayerKV.")):
             backend.kernel.FusedKVMaterializer(layers)
 
-    @pytest.mark.parametrize("field", ["kv_proj_weight", "k_norm_weight"])
+    @pytest.mark.parametrize("field", ["kv_proj_weight", "kv_proj_bias", "k_norm_weight"])
     def test_weights_of_another_framework_are_refused_naming_the_layer(self, backend, field):
-        layers = _layers_on(backend)
+        layers = _layers_on(backend, kv_bias=True)
         layers[1] = dataclasses.replace(layers[1], **{field: backend.foreign(host(getattr(layers[1], field)))})
         with pytest.raises(TypeError, match=backend.error_pattern(
                 f"Invalid layers[1].{field} for fused KV materialization: got {backend.foreign_type}, "
@@ -351,11 +393,10 @@ class TestMaterializer:
             backend.kernel.FusedKVMaterializer(_layers_on(backend), cos_sin_cache=table)
 
 
-def _layers_on(backend, n_layers=2):
+def _layers_on(backend, n_layers=2, kv_bias=False):
     """Random layers (256 positions) as the backend's arrays, in a list to change."""
-    case = random_case(OP, n_layers=n_layers, hidden=64, total_ctx=0, max_position=256)
-    return [dataclasses.replace(layer, kv_proj_weight=backend.put(layer.kv_proj_weight),
-                                k_norm_weight=backend.put(layer.k_norm_weight)) for layer in case.layers]
+    case = random_case(OP, n_layers=n_layers, hidden=64, total_ctx=0, max_position=256, kv_bias=kv_bias)
+    return [_on(backend, layer) for layer in case.layers]
 
 
 class TestMaterializerInterpreted(TestMaterializer):

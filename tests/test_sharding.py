@@ -60,6 +60,14 @@ def test_each_rank_gets_the_k_then_v_rows_of_its_heads(world_size):
             assert (part.eps, part.head_dim, part.rope) == (layer.eps, layer.head_dim, layer.rope)
 
 
+def test_each_rank_gets_the_k_then_v_biases_of_its_heads():
+    layers = random_case(OP, n_layers=2, hidden=40, total_ctx=3, max_position=32, seed=2, kv_bias=True).layers
+    for rank in range(2):
+        for layer, part in zip(layers, head_parallel_layers(layers, rank, 2)):
+            expected = _rows_of_heads(layer.kv_proj_bias[:, None], slice(2 * rank, 2 * rank + 2), OP.head_dim)
+            assert_bit_exact(part.kv_proj_bias, expected[:, 0], name=f"biases of rank {rank}")
+
+
 def test_a_ranks_reference_is_its_heads_of_the_whole_reference():
     case = random_case(FusedKVConfig(4, 96, 32, "gptj"), n_layers=3, hidden=32, total_ctx=4,
                        max_position=32, seed=3)

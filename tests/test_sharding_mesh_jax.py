@@ -265,8 +265,9 @@ def _materializer_over_heads(mesh, specs, method):
     return _head_parallel(function, mesh, in_specs, by_heads, check_vma=False)
 
 
-def test_materializer_over_heads_gives_each_device_its_heads_of_the_whole():
-    case = random_case(OP, n_layers=2, hidden=48, total_ctx=6, max_position=64, seed=8)
+@pytest.mark.parametrize("kv_bias", [False, True], ids=["no-bias", "bias"])
+def test_materializer_over_heads_gives_each_device_its_heads_of_the_whole(kv_bias):
+    case = random_case(OP, n_layers=2, hidden=48, total_ctx=6, max_position=64, seed=8, kv_bias=kv_bias)
     whole = FusedKVMaterializer(case.layers)
     k_whole, v_whole = whole.materialize(jnp.asarray(case.ctx_hidden), jnp.asarray(case.positions))
     mesh = _mesh((2,), ("h",), "explicit")

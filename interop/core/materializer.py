@@ -98,6 +98,8 @@ class LayerKV:
     num_kv_heads, head_dim: positive ints, refused here, at construction, otherwise.
     v_multiplier: a float scaling the layer's V (a config's ``attention_value_scale``), or
       None to copy V bit for bit.
+    kv_proj_bias: float[2*kv_size] of the weight's dtype, the K biases then the V biases
+      (Qwen2-family projections), added by the GEMM; or None for a projection without one.
     """
 
     kv_proj_weight: Any
@@ -107,6 +109,7 @@ class LayerKV:
     head_dim: int
     rope: RopeConfig
     v_multiplier: float | None = None
+    kv_proj_bias: Any = None
 
     def __post_init__(self):
         for name in ("num_kv_heads", "head_dim"):
@@ -124,6 +127,7 @@ class MaterializerConfig:
     max_position: int
     normed: bool = True
     v_multiplied: bool = False
+    biased: bool = False
 
     @property
     def kv_width(self) -> int:
@@ -164,7 +168,7 @@ def _check_layer_arrays(layers: tuple, cos_sin_cache, accepted: str) -> None:
                 f"Invalid layers[{index}] for fused KV materialization: got {_type_name(layer)}, "
                 "expected an interop.core.materializer.LayerKV."
             )
-        for field in ("kv_proj_weight", "k_norm_weight"):
+        for field in ("kv_proj_weight", "kv_proj_bias", "k_norm_weight"):
             name, array = f"layers[{index}].{field}", getattr(layer, field)
             check_arrays(((name, array),), accepted)
             if (device_name(array) or "").startswith("meta"):
@@ -183,8 +187,8 @@ def validate_layers(layers: Sequence[LayerKV], cos_sin_cache=None, *,
     of the materializer's framework (``accepted``: ``'torch'``, ``'jax'`` or ``'any'``, as
     :func:`interop.core.spec.check_arrays`) and hold data. Then layer 0 sets the configuration;
     each layer in turn is checked for its heads, head_dim, rope configuration, projection
-    weight shape and dtype, k_norm weight shape and eps, and the first difference raises
-    ``ValueError`` naming the layer.
+    weight shape and dtype, k_norm weight shape and eps, V multiplier and projection bias
+    (its shape and dtype), and the first difference raises ``ValueError`` naming the layer.
     Then the op's own validation (:func:`interop.core.spec.validate_call`) runs on the
     stacked shapes: the rotary/head dim pair, the rope style, the kv dtype (the
     weights' dtype, that of the GEMM's output) and the cos/sin table, which is either
@@ -214,10 +218,13 @@ def validate_layers(layers: Sequence[LayerKV], cos_sin_cache=None, *,
              _has("a k_norm_weight", first.k_norm_weight)),
             ("v_multiplier", _has("a v_multiplier", layer.v_multiplier), _has("a v_multiplier", first.v_multiplier),
              _has("a v_multiplier", first.v_multiplier)),
+            ("kv_proj_bias", _has("a kv_proj_bias", layer.kv_proj_bias), _has("a kv_proj_bias", first.kv_proj_bias),
+             _has("a kv_proj_bias", first.kv_proj_bias)),
         ):
             if got != expected:
                 raise _layer_error(index, what, got, f"{shown}{as_in_first}")
         _check_layer_values(index, layer, as_in_first)
+        _check_layer_bias(index, layer, weight_rows, weight_dtype)
 
     rope = first.rope
     n_layers = len(layers)
@@ -241,7 +248,7 @@ def validate_layers(layers: Sequence[LayerKV], cos_sin_cache=None, *,
             f"got {int(table.shape[0])} rows, expected rope.max_position={rope.max_position}."
         )
     return MaterializerConfig(op, n_layers, int(first_shape[1]), weight_dtype, rope.max_position, normed,
-                              v_multiplied)
+                              v_multiplied, first.kv_proj_bias is not None)
 
 
 def _has(what: str, value) -> str:
@@ -266,6 +273,20 @@ def _check_layer_values(index: int, layer: LayerKV, as_in_first: str) -> None:
             raise _layer_error(index, "eps", repr(layer.eps), "a finite float >= 0")
     if layer.v_multiplier is not None and not _finite_float(layer.v_multiplier):
         raise _layer_error(index, "v_multiplier", repr(layer.v_multiplier), "a finite float, or None")
+
+
+def _check_layer_bias(index: int, layer: LayerKV, weight_rows: int, weight_dtype: str) -> None:
+    """A layer's projection bias: one value per row of the weight, in the weight's dtype (the
+    GEMM adds it in its epilogue, which takes one dtype)."""
+    bias = layer.kv_proj_bias
+    if bias is None:
+        return
+    shape = tuple(int(d) for d in bias.shape)
+    if shape != (weight_rows,):
+        raise _layer_error(index, "kv_proj_bias shape", shape, f"{(weight_rows,)} = (2*num_kv_heads*head_dim,)")
+    if dtype_name(bias.dtype) != weight_dtype:
+        raise _layer_error(index, "kv_proj_bias dtype", dtype_name(bias.dtype),
+                           f"{weight_dtype}, the kv_proj_weight dtype")
 
 
 def validate_materialize(ctx_hidden, config: MaterializerConfig, max_position: int | None, *,
@@ -323,7 +344,8 @@ def head_parallel_layers(layers: Sequence[LayerKV], rank: int, world_size: int) 
     holds heads ``[r*H/R, (r+1)*H/R)``: of each ``kv_proj_weight``
     ``[2*H*head_dim, hidden]`` the K rows of those heads, then their V rows, as
     ``[2*(H/R)*head_dim, hidden]`` (the column-parallel slice of the projection, laid out
-    as a one-rank layer expects), with ``num_kv_heads = H/R``; ``k_norm_weight``, ``eps``
+    as a one-rank layer expects), and the same rows of a ``kv_proj_bias``, with
+    ``num_kv_heads = H/R``; ``k_norm_weight``, ``eps``
     and ``rope`` are the layer's own (every head shares them). A materializer built from
     the share yields ``[n_layers, total_ctx, H/R, head_dim]``: heads ``[r*H/R, (r+1)*H/R)``
     of the one-rank result.
@@ -350,6 +372,7 @@ def head_parallel_layers(layers: Sequence[LayerKV], rank: int, world_size: int) 
     rows = np.concatenate([np.arange(first, first + share),
                            config.op.kv_size + np.arange(first, first + share)])
     return tuple(dataclasses.replace(layer, kv_proj_weight=layer.kv_proj_weight[rows],
+                                     kv_proj_bias=None if layer.kv_proj_bias is None else layer.kv_proj_bias[rows],
                                      num_kv_heads=heads // world_size)
                  for layer in layers)
 
@@ -373,17 +396,21 @@ def stacked_v_multiplier(layers) -> np.ndarray | None:
 
 
 def projection_reference(layers, ctx_hidden) -> np.ndarray:
-    """The stacked K/V projection in NumPy: ``kv[t, l] = ctx_hidden[t] @ kv_proj_weight[l]^T``
-    in fp32, fp32[total_ctx, n_layers, 2*kv_size], after rounding ``ctx_hidden`` to the
-    weights' dtype as the materializers do."""
+    """The stacked K/V projection in NumPy: ``kv[t, l] = ctx_hidden[t] @ kv_proj_weight[l]^T
+    (+ kv_proj_bias[l])`` in fp32, fp32[total_ctx, n_layers, 2*kv_size], after rounding
+    ``ctx_hidden`` to the weights' dtype as the materializers do."""
     dtype = as_numpy(layers[0].kv_proj_weight).dtype
     hidden = as_numpy(ctx_hidden).astype(dtype).astype(np.float32)
-    return np.stack([hidden @ as_numpy(layer.kv_proj_weight).astype(np.float32).T for layer in layers],
-                    axis=1)
+
+    def project(layer):
+        kv = hidden @ as_numpy(layer.kv_proj_weight).astype(np.float32).T
+        return kv if layer.kv_proj_bias is None else kv + as_numpy(layer.kv_proj_bias).astype(np.float32)
+
+    return np.stack([project(layer) for layer in layers], axis=1)
 
 
 def materializer_reference(layers, ctx_hidden, positions, cos_sin_cache=None):
-    """The materializer in NumPy: kv = ctx_hidden @ W_l^T in fp32 for every layer, then the op.
+    """The materializer in NumPy: kv = ctx_hidden @ W_l^T (+ b_l) in fp32 for every layer, then the op.
 
     ``ctx_hidden`` is first rounded to the weights' dtype, as the materializers do; kv
     is not (compare with :data:`interop.testing.END_TO_END_TOLERANCE`). Returns ``(k, v)``, each
