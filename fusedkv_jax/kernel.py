@@ -50,6 +50,7 @@ partners (:func:`loads_k_rows`).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -109,20 +110,203 @@ def _store(ref, value, *, mask):
     plgpu.store(ref, value.astype(ref.dtype), mask=mask)
 
 
-def _inverse_rms(sum_squares, eps, head_dim: int, position_ok):
+def _tile_of_program(block_tokens: int, block_layers: int, block_heads: int):
+    """``(first_layer, tokens, heads)`` of this program: one of the grid (token block, layer
+    block, head block)."""
+    first_layer = pl.program_id(1) * block_layers
+    tokens = pl.program_id(0) * block_tokens + jnp.arange(block_tokens)
+    heads = pl.program_id(2) * block_heads + jnp.arange(block_heads)
+    return first_layer, tokens, heads
+
+
+class _HeadRows(NamedTuple):
+    """Where a tile's head rows are in ``kv``: the token of each (``[tokens, 1, 1]``), the
+    first column of its head (``[1, heads, 1]``), and which rows the tile has (``loaded``)."""
+
+    tokens: jax.Array
+    starts: jax.Array
+    loaded: jax.Array
+
+
+def _head_rows(tokens, heads, in_context, num_kv_heads: int, head_dim: int) -> _HeadRows:
+    """The tile's head rows in ``kv``: tokens in the context, heads of the model."""
+    loaded = in_context[:, None, None] & (heads < num_kv_heads)[None, :, None]
+    return _HeadRows(tokens[:, None, None], heads[None, :, None] * head_dim, loaded)
+
+
+def _destination_rows(tokens, in_context, slots_ref, num_rows: int):
+    """``(rows, written)``: row ``t`` for token ``t``, or its cache slot, skipped outside the cache."""
+    if slots_ref is None:
+        return tokens, in_context
+    rows = _load(slots_ref.at[tokens], mask=in_context, other=-1)
+    return rows, in_context & (rows >= 0) & (rows < num_rows)
+
+
+def _layer_value(ref, layer):
+    """The layer's entry of a per-layer vector (eps, a scale, a V multiplier); None without one."""
+    return None if ref is None else _load(ref.at[layer], mask=None, other=None)
+
+
+def _load_head_rows(kv_ref, head_rows: _HeadRows, layer, columns, columns_ok):
+    """``columns`` of the tile's head rows in one layer of ``kv``, zeros where the tile has none."""
+    return _load(kv_ref.at[head_rows.tokens, layer, head_rows.starts + columns[None, None, :]],
+                 mask=head_rows.loaded & columns_ok[None, None, :], other=0.0)
+
+
+def _load_norm_weight(weight_ref, layer, columns, columns_ok):
+    """The layer's K-norm weight at ``columns`` in fp32; 1 without a K-norm (K is rotated as projected)."""
+    if weight_ref is None:
+        return 1.0
+    return _load(weight_ref.at[layer, columns], mask=columns_ok, other=0.0).astype(jnp.float32)
+
+
+def _rotate(first, second, cos, sin):
+    """RoPE of every pair ``(first, second)``."""
+    return first * cos - second * sin, second * cos + first * sin
+
+
+class _KHalves:
+    """``neox`` K loaded as its two rotary halves and the unrotated tail, each a contiguous
+    run of columns: ``pieces``, the ``(columns, columns_ok)`` of each load, traced where the
+    layer's loads are issued.
+
+    Every element of a tile is read once with wide loads and meets its RoPE partner in
+    registers: faster than the whole row plus a second, permuted load of it when the
+    rotation covers the row.
+    """
+
+    def __init__(self, head_dim: int, rotary_dim: int, rope_style: str):
+        half, tail = rotary_dim // 2, head_dim - rotary_dim
+        pairs, pairs_ok = self.frequencies(head_dim, rotary_dim, rope_style)
+        self.pieces = [(pairs, pairs_ok), (half + pairs, pairs_ok)]
+        if tail:
+            tail_columns = rotary_dim + jnp.arange(pl.next_power_of_2(tail))
+            self.pieces.append((tail_columns, tail_columns < head_dim))
+
+    @staticmethod
+    def frequencies(head_dim: int, rotary_dim: int, rope_style: str):
+        """The cos/sin column of each loaded column, one per pair, and which of them are pairs
+        (the run is padded to a power of two)."""
+        del head_dim, rope_style  # one run serves both halves, which only neox K has
+        pairs = jnp.arange(pl.next_power_of_2(rotary_dim // 2))
+        return pairs, pairs < rotary_dim // 2
+
+    def sum_squares(self, k):
+        """``sum(k*k)`` per head row, over the pieces."""
+        return sum(jnp.sum(piece * piece, axis=-1, keepdims=True) for piece in k)
+
+    def rope(self, k, weight, inv_rms, cos, sin):
+        """RoPE of ``kn = k * inv_rms * weight``, as ``(columns, values, columns_ok)`` pieces to store."""
+        first, second, *tail = [piece * inv_rms * piece_weight for piece, piece_weight in zip(k, weight)]
+        # The unrotated tail is kn itself: through a rotation by (cos 1, sin 0) an infinite kn
+        # would meet Inf * 0 and turn into NaN.
+        values = [*_rotate(first, second, cos, sin), *tail]
+        return [(columns, value, ok) for (columns, ok), value in zip(self.pieces, values)]
+
+
+class _KRows:
+    """K loaded as whole rows and again at permuted columns for each element's RoPE partner
+    (``gptj``: its pair's other member; ``neox``: the same column of the other rotary half),
+    an L1-resident second load: ``pieces`` are the row's and the partners' ``(columns,
+    columns_ok)``, traced where the layer's loads are issued, as :class:`_KHalves`'s."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, rope_style: str):
+        dims = jnp.arange(pl.next_power_of_2(head_dim))
+        dims_ok = dims < head_dim
+        self.rotated = dims < rotary_dim
+        if rope_style == "gptj":
+            first = dims % 2 == 0
+            partner = jnp.where(first, dims + 1, dims - 1)
+        else:
+            first = dims < rotary_dim // 2
+            partner = jnp.where(first, dims + rotary_dim // 2, dims - rotary_dim // 2)
+        partner = jnp.where(self.rotated, partner, dims)
+        self.sin_sign = jnp.where(self.rotated, jnp.where(first, -1.0, 1.0), 0.0).astype(jnp.float32)
+        self.pieces = [(dims, dims_ok), (partner, dims_ok)]
+
+    @staticmethod
+    def frequencies(head_dim: int, rotary_dim: int, rope_style: str):
+        """The cos/sin column of every column of a row, and which columns are rotated."""
+        dims = jnp.arange(pl.next_power_of_2(head_dim))
+        rotated = dims < rotary_dim
+        pair = dims // 2 if rope_style == "gptj" else dims % (rotary_dim // 2)
+        return jnp.where(rotated, pair, 0), rotated
+
+    def sum_squares(self, k):
+        """``sum(k*k)`` per head row, over the row alone (the partners are its columns again)."""
+        row, _ = k
+        return jnp.sum(row * row, axis=-1, keepdims=True)
+
+    def rope(self, k, weight, inv_rms, cos, sin):
+        """RoPE of ``kn = k * inv_rms * weight``, as one ``(columns, values, columns_ok)`` piece to store."""
+        (row, partner), (row_weight, partner_weight) = k, weight
+        kn = row * inv_rms * row_weight
+        rotated = kn * cos + (partner * inv_rms * partner_weight) * (sin * self.sin_sign)
+        # The unrotated tail is kn itself (see _KHalves.rope).
+        (dims, dims_ok), _ = self.pieces
+        return [(dims, jnp.where(self.rotated, rotated, kn), dims_ok)]
+
+
+class _LayerTile(NamedTuple):
+    """One layer's loads, all issued before its first store: V as loaded, the K-norm's eps
+    (None without one), and fp32 K with its K-norm weight at the columns of ``k_form``."""
+
+    layer: jax.Array
+    v: jax.Array
+    eps: jax.Array | None
+    k_form: _KHalves | _KRows
+    k: list
+    weight: list
+
+
+def _load_layer(kv_ref, weight_ref, eps_ref, head_rows: _HeadRows, layer, *, v_columns, k_form, head_dim: int,
+                rotary_dim: int, rope_style: str) -> _LayerTile:
+    """Issues one layer's loads: V at ``v_columns`` (``(columns, columns_ok)`` of a head), eps,
+    then K and its K-norm weight at the columns of ``k_form``."""
+    columns, columns_ok = v_columns
+    v = _load_head_rows(kv_ref, head_rows, layer, kv_ref.shape[2] // 2 + columns, columns_ok)
+    eps = _layer_value(eps_ref, layer)
+    form = k_form(head_dim, rotary_dim, rope_style)
+    k = [_load_head_rows(kv_ref, head_rows, layer, *piece).astype(jnp.float32) for piece in form.pieces]
+    weight = [_load_norm_weight(weight_ref, layer, *piece) for piece in form.pieces]
+    return _LayerTile(layer, v, eps, form, k, weight)
+
+
+def _load_cos_sin(cos_sin_ref, positions, rotated_tokens, frequencies, frequencies_ok):
+    """The cos and sin of each token's position at ``frequencies``, ``[tokens, 1, frequencies]``:
+    1 and 0 for a token not ``rotated_tokens`` (``[tokens, 1]``), whose row is never read."""
+    position_index, frequency_index = positions[:, None], frequencies[None, :]
+    cos_sin_ok = rotated_tokens & frequencies_ok[None, :]
+    # cos/sin rows kept in L2 (evict_last): every program rereads the small table while kv
+    # and the outputs pass through once, and a program's first stores wait on this chain.
+    cos = _load(cos_sin_ref.at[position_index, frequency_index], mask=cos_sin_ok, other=1.0,
+                eviction_policy="evict_last")[:, None, :]
+    sin = _load(cos_sin_ref.at[position_index, cos_sin_ref.shape[1] // 2 + frequency_index], mask=cos_sin_ok,
+                other=0.0, eviction_policy="evict_last")[:, None, :]
+    return cos, sin
+
+
+def _inverse_rms(sum_squares, eps, head_dim: int, rotatable):
     """``rsqrt(mean(k*k) + eps)`` per head row, with the edge values of interop.core.reference.
 
     Zeros where there is no scale to normalize by (rsqrt flushes denormals, hence a
     threshold), NaN where the sum of squares is not finite (NaN or Inf in K, k*k
-    overflowed) or the token has no rotation: a NaN poisons the whole row, the unrotated
-    tail included. Without a K-norm (``eps`` None): 1, or NaN where the token has no
-    rotation (the unused sum of squares is dropped by the compiler).
+    overflowed) or the token's position is not ``rotatable`` (no cos/sin row): a NaN
+    poisons the whole row, the unrotated tail included. Without a K-norm (``eps`` None):
+    1, or NaN where not ``rotatable`` (the unused sum of squares is dropped by the compiler).
     """
     if eps is None:
-        return jnp.where(position_ok[:, None, None], 1.0, jnp.nan)
+        return jnp.where(rotatable[:, None, None], 1.0, jnp.nan)
     mean_square_eps = sum_squares / head_dim + eps
     inv_rms = jnp.where(mean_square_eps < SMALLEST_NORMAL_FP32, 0.0, jax.lax.rsqrt(mean_square_eps))
-    return jnp.where(position_ok[:, None, None] & (sum_squares < jnp.inf), inv_rms, jnp.nan)
+    return jnp.where(rotatable[:, None, None] & (sum_squares < jnp.inf), inv_rms, jnp.nan)
+
+
+def _multiply_v(v, v_multiplier_ref, layer):
+    """V as loaded (bit for bit), or ``v * v_multiplier[layer]`` in fp32."""
+    if v_multiplier_ref is None:
+        return v
+    return v.astype(jnp.float32) * _layer_value(v_multiplier_ref, layer)
 
 
 def _divide(values, scale, *, interpret: bool):
@@ -149,189 +333,83 @@ def _quantize(values, scale, *, interpret: bool):
     return jnp.where((scale >= FP8_SCALE_MIN) & (scale <= FP8_SCALE_MAX), values, jnp.nan)
 
 
-def _halves_frequencies(rotary_dim: int):
-    """The cos/sin columns :func:`_neox_halves_k` rotates by: one per pair, ``[half]``, and
-    which of them are pairs (the run is padded to a power of two)."""
-    half = rotary_dim // 2
-    pairs = jnp.arange(pl.next_power_of_2(half))
-    return pairs, pairs < half
+def _to_destination(values, scale_ref, layer, *, interpret: bool):
+    """Values as their destination holds them: an fp8 cache (given ``scale_ref``) the layer's
+    :func:`_quantize`, any other destination the values themselves (the store rounds them)."""
+    if scale_ref is None:
+        return values
+    scale = _layer_value(scale_ref, layer)
+    return _quantize(values.astype(jnp.float32), scale, interpret=interpret)
 
 
-def _neox_halves_k(load_k, load_weight, *, head_dim: int, rotary_dim: int):
-    """Issues the loads of ``neox`` K as the two rotary halves and the unrotated tail, each a
-    contiguous run of columns; returns ``finish(cos, sin, eps, position_ok)``, which gives
-    K as ``(columns, values, columns_ok)`` pieces.
-
-    Loaded as separate runs, every element of a tile is read once with wide loads and
-    meets its RoPE partner in registers: faster than the whole row plus a second, permuted
-    load of it when the rotation covers the row.
-    """
-    half, tail = rotary_dim // 2, head_dim - rotary_dim
-    pairs, pairs_ok = _halves_frequencies(rotary_dim)
-    pieces = [(pairs, pairs_ok), (half + pairs, pairs_ok)]
-    if tail:
-        tail_columns = rotary_dim + jnp.arange(pl.next_power_of_2(tail))
-        pieces.append((tail_columns, tail_columns < head_dim))
-    parts = [load_k(columns, ok) for columns, ok in pieces]
-    weights = [load_weight(columns, ok) for columns, ok in pieces]
-
-    def finish(cos, sin, eps, position_ok):
-        inv_rms = _inverse_rms(sum(jnp.sum(part * part, axis=-1, keepdims=True) for part in parts),
-                               eps, head_dim, position_ok)
-        first, second, *rest = [part * inv_rms * weight for part, weight in zip(parts, weights)]
-        # The unrotated tail is kn itself: through a rotation by (cos 1, sin 0) an infinite kn
-        # would meet Inf * 0 and turn into NaN.
-        values = [first * cos - second * sin, second * cos + first * sin, *rest]
-        return [(columns, value, ok) for (columns, ok), value in zip(pieces, values)]
-    return finish
-
-
-def _row_frequencies(head_dim: int, rotary_dim: int, rope_style: str):
-    """The cos/sin column of every column of a K row (:func:`_row_k`), masked past the rotation."""
-    dims = jnp.arange(pl.next_power_of_2(head_dim))
-    rotated = dims < rotary_dim
-    pair = dims // 2 if rope_style == "gptj" else dims % (rotary_dim // 2)
-    return jnp.where(rotated, pair, 0), rotated
-
-
-def _row_k(load_k, load_weight, *, head_dim: int, rotary_dim: int, rope_style: str):
-    """Issues the loads of K as whole rows; returns ``finish(cos, sin, eps, position_ok)``,
-    which gives K as one ``(columns, values, columns_ok)`` piece.
-
-    Each element's RoPE partner (``gptj``: its pair's other member; ``neox``: the same
-    column of the other rotary half) comes from a second, L1-resident load of the row at
-    permuted columns.
-    """
-    dims = jnp.arange(pl.next_power_of_2(head_dim))
-    dim_ok = dims < head_dim
-    rotated = dims < rotary_dim
-    if rope_style == "gptj":
-        first = dims % 2 == 0
-        partner = jnp.where(first, dims + 1, dims - 1)
-    else:
-        first = dims < rotary_dim // 2
-        partner = jnp.where(first, dims + rotary_dim // 2, dims - rotary_dim // 2)
-    partner = jnp.where(rotated, partner, dims)
-    sign = jnp.where(rotated, jnp.where(first, -1.0, 1.0), 0.0).astype(jnp.float32)
-    k, k_partner = load_k(dims, dim_ok), load_k(partner, dim_ok)
-    weight, weight_partner = load_weight(dims, dim_ok), load_weight(partner, dim_ok)
-
-    def finish(cos, sin, eps, position_ok):
-        inv_rms = _inverse_rms(jnp.sum(k * k, axis=-1, keepdims=True), eps, head_dim, position_ok)
-        k_normed = k * inv_rms * weight
-        k_rotated = k_normed * cos + (k_partner * inv_rms * weight_partner) * (sin * sign)
-        # The unrotated tail is kn itself (see _neox_halves_k).
-        return [(dims, jnp.where(rotated, k_rotated, k_normed), dim_ok)]
-    return finish
+def _store_head_rows(dest_ref, scale_ref, layer, pieces, *, rows, heads, written, interpret: bool):
+    """Each ``(columns, values, columns_ok)`` of ``pieces`` into ``rows`` (``[tokens, 1, 1]``) of
+    ``dest_ref[layer]`` where ``written``, as the destination holds it (:func:`_to_destination`)."""
+    for columns, values, columns_ok in pieces:
+        values = _to_destination(values, scale_ref, layer, interpret=interpret)
+        _store(dest_ref.at[layer, rows, heads[None, :, None], columns[None, None, :]], values,
+               mask=written & columns_ok[None, None, :])
 
 
 def _fused_kv_norm_rope_kernel(
-    kv_ref, cos_sin_ref, positions_ref, *refs,
+    kv_ref, cos_sin_ref, positions_ref, weight_ref, eps_ref, slots_ref, k_scale_ref, v_scale_ref,
+    v_multiplier_ref, k_given_ref, v_given_ref, k_dest_ref, v_dest_ref, *,
     num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str, k_rows: bool,
-    block_tokens: int, block_layers: int, block_heads: int, normed: bool, slotted: bool, k_quantized: bool,
-    v_quantized: bool, v_multiplied: bool, interpret: bool,
+    block_tokens: int, block_layers: int, block_heads: int, interpret: bool,
 ):
     """One ``[block_tokens, block_heads, head_dim]`` tile of K and V for each of
     ``block_layers`` layers, which share the tile's cos/sin rows.
 
     Refs are whole arrays: ``kv[total_ctx, n_layers, 2*kv_size]``, ``cos_sin[max_pos,
-    rotary_dim]``, ``positions[total_ctx]``; then, as the static switches say,
-    ``weight[n_layers, head_dim]`` and ``eps[n_layers]`` (a K-norm), ``slots[total_ctx]``,
-    ``k_scale[n_layers]``, ``v_scale[n_layers]``, ``v_multiplier[n_layers]``, the aliased destinations (unread),
-    and the outputs ``k_out, v_out[n_layers, rows, num_kv_heads, head_dim]``. ``k_rows``
-    loads K as whole rows (:func:`_row_k`), else as ``neox`` runs (:func:`_neox_halves_k`).
+    rotary_dim]``, ``positions[total_ctx]``, ``weight[n_layers, head_dim]`` and
+    ``eps[n_layers]`` (a K-norm), ``slots[total_ctx]``, ``k_scale``, ``v_scale`` and
+    ``v_multiplier[n_layers]``, the destinations as given (aliased, unread), and the
+    destinations ``k_dest, v_dest[n_layers, rows, num_kv_heads, head_dim]``. What a call
+    leaves out is None and carried by the helpers. ``k_rows`` loads K as whole rows
+    (:class:`_KRows`), else as ``neox`` runs (:class:`_KHalves`).
     """
-    optional = iter(refs)
-    weight_ref, eps_ref = (next(optional), next(optional)) if normed else (None, None)
-    slots_ref = next(optional) if slotted else None
-    k_scale_ref = next(optional) if k_quantized else None
-    v_scale_ref = next(optional) if v_quantized else None
-    v_multiplier_ref = next(optional) if v_multiplied else None
-    k_out_ref, v_out_ref = refs[-2:]
-    total_ctx, max_position = kv_ref.shape[0], cos_sin_ref.shape[0]
-    num_rows = k_out_ref.shape[1]
-    kv_size = num_kv_heads * head_dim
-
-    first_layer = pl.program_id(1) * block_layers
-    tokens = pl.program_id(0) * block_tokens + jnp.arange(block_tokens)
-    heads = pl.program_id(2) * block_heads + jnp.arange(block_heads)
-    token_ok = tokens < total_ctx
-    rows_ok = token_ok[:, None, None] & (heads < num_kv_heads)[None, :, None]
-    token_index = tokens[:, None, None]
-    head_base = heads[None, :, None] * head_dim
-
-    def load_kv(layer, columns, columns_ok):
-        return _load(kv_ref.at[token_index, layer, head_base + columns[None, None, :]],
-                     mask=rows_ok & columns_ok[None, None, :], other=0.0)
-
+    del k_given_ref, v_given_ref  # their memory is k_dest_ref's and v_dest_ref's
+    k_form = _KRows if k_rows else _KHalves
+    first_layer, tokens, heads = _tile_of_program(block_tokens, block_layers, block_heads)
+    in_context = tokens < kv_ref.shape[0]
+    head_rows = _head_rows(tokens, heads, in_context, num_kv_heads, head_dim)
     # Every load that does not wait for another is issued first: the cos/sin rows wait
     # for the positions, and at short contexts that chain is most of the kernel's time.
-    positions = _load(positions_ref.at[tokens], mask=token_ok, other=0)
-    if slotted:
-        rows = _load(slots_ref.at[tokens], mask=token_ok, other=-1)
-        row_ok = token_ok & (rows >= 0) & (rows < num_rows)
-    else:
-        rows, row_ok = tokens, token_ok
+    positions = _load(positions_ref.at[tokens], mask=in_context, other=0)
+    rows, written = _destination_rows(tokens, in_context, slots_ref, k_dest_ref.shape[1])
     v_columns = jnp.arange(pl.next_power_of_2(head_dim))
     v_columns_ok = v_columns < head_dim
-    k_of_layer = (functools.partial(_row_k, rope_style=rope_style) if k_rows else _neox_halves_k)
-
-    def load_weight(layer, columns, ok):
-        if weight_ref is None:  # no K-norm: K is rotated as projected
-            return 1.0
-        return _load(weight_ref.at[layer, columns], mask=ok, other=0.0).astype(jnp.float32)
-
-    def load_layer(layer):
-        """Issues one layer's loads; returns ``(layer, v, eps, finish_k)``."""
-        v = load_kv(layer, kv_size + v_columns, v_columns_ok)
-        eps = None if eps_ref is None else _load(eps_ref.at[layer], mask=None, other=None)
-        finish_k = k_of_layer(
-            lambda columns, ok: load_kv(layer, columns, ok).astype(jnp.float32),
-            functools.partial(load_weight, layer), head_dim=head_dim, rotary_dim=rotary_dim)
-        return layer, v, eps, finish_k
-
-    in_flight = [load_layer(first_layer + i) for i in range(min(LAYERS_IN_FLIGHT, block_layers))]
-    position_ok = (positions >= 0) & (positions < max_position)
+    load_layer = functools.partial(_load_layer, kv_ref, weight_ref, eps_ref, head_rows,
+                                   v_columns=(v_columns, v_columns_ok), k_form=k_form, head_dim=head_dim,
+                                   rotary_dim=rotary_dim, rope_style=rope_style)
+    layers = [load_layer(first_layer + i) for i in range(min(LAYERS_IN_FLIGHT, block_layers))]
+    rotatable = (positions >= 0) & (positions < cos_sin_ref.shape[0])
     # An out-of-range position is never read: its row is masked and becomes NaN.
-    rotation_ok = (token_ok & position_ok)[:, None]
-    frequencies, frequencies_ok = (_row_frequencies(head_dim, rotary_dim, rope_style) if k_rows
-                                   else _halves_frequencies(rotary_dim))
-    position_index, frequency_index = positions[:, None], frequencies[None, :]
-    cos_sin_ok = rotation_ok & frequencies_ok[None, :]
-    # cos/sin rows kept in L2 (evict_last): every program rereads the small table while kv
-    # and the outputs pass through once, and a program's first stores wait on this chain.
-    cos = _load(cos_sin_ref.at[position_index, frequency_index], mask=cos_sin_ok, other=1.0,
-                eviction_policy="evict_last")[:, None, :]
-    sin = _load(cos_sin_ref.at[position_index, rotary_dim // 2 + frequency_index], mask=cos_sin_ok, other=0.0,
-                eviction_policy="evict_last")[:, None, :]
-
+    cos, sin = _load_cos_sin(cos_sin_ref, positions, (in_context & rotatable)[:, None],
+                             *k_form.frequencies(head_dim, rotary_dim, rope_style))
     # Skipped rows point one past the end: masked on the GPU, and dropped (not written
     # back with a stale value) by interpret mode's scatter.
-    row_index = jnp.where(row_ok, rows, num_rows)[:, None, None]
-    store_ok = rows_ok & row_ok[:, None, None]
-    for layer_in_block in range(block_layers):
-        layer, v, eps, finish_k = in_flight.pop(0)
+    rows = jnp.where(written, rows, k_dest_ref.shape[1])[:, None, None]
+    written = head_rows.loaded & written[:, None, None]
+    store = functools.partial(_store_head_rows, rows=rows, heads=heads, written=written, interpret=interpret)
+    for step in range(block_layers):
+        tile = layers[step]
         # Later layers' loads go before this layer's stores, which the compiler may not
         # move them past (it cannot tell kv from the outputs).
-        if layer_in_block + LAYERS_IN_FLIGHT < block_layers:
-            in_flight.append(load_layer(first_layer + layer_in_block + LAYERS_IN_FLIGHT))
-        pieces = [(k_out_ref, k_scale_ref, piece) for piece in finish_k(cos, sin, eps, position_ok)]
-        if v_multiplier_ref is not None:
-            v = v.astype(jnp.float32) * _load(v_multiplier_ref.at[layer], mask=None, other=None)
-        pieces.append((v_out_ref, v_scale_ref, (v_columns, v, v_columns_ok)))
-        for out_ref, scale_ref, (columns, value, columns_ok) in pieces:
-            if scale_ref is not None:
-                scale = _load(scale_ref.at[layer], mask=None, other=None)
-                value = _quantize(value.astype(jnp.float32), scale, interpret=interpret)
-            _store(out_ref.at[layer, row_index, heads[None, :, None], columns[None, None, :]],
-                   value, mask=store_ok & columns_ok[None, None, :])
+        if step + LAYERS_IN_FLIGHT < block_layers:
+            layers.append(load_layer(first_layer + step + LAYERS_IN_FLIGHT))
+        inv_rms = _inverse_rms(tile.k_form.sum_squares(tile.k), tile.eps, head_dim, rotatable)
+        k = tile.k_form.rope(tile.k, tile.weight, inv_rms, cos, sin)
+        v = _multiply_v(tile.v, v_multiplier_ref, tile.layer)
+        store(k_dest_ref, k_scale_ref, tile.layer, k)
+        store(v_dest_ref, v_scale_ref, tile.layer, [(v_columns, v, v_columns_ok)])
 
 
 def loads_k_rows(config: FusedKVConfig) -> bool:
-    """Whether the kernel loads K as whole rows (:func:`_row_k`): always for ``gptj``, and
+    """Whether the kernel loads K as whole rows (:class:`_KRows`): always for ``gptj``, and
     for ``neox`` with an unrotated tail, whose rotary halves are runs too narrow for wide
     loads (three narrow runs lose to one row and an L1-resident second load, in either
-    grid). Else K is loaded as its ``neox`` runs (:func:`_neox_halves_k`)."""
+    grid). Else K is loaded as its ``neox`` runs (:class:`_KHalves`)."""
     return config.rope_style == "gptj" or config.rotary_dim < config.head_dim
 
 
@@ -446,27 +524,27 @@ def _pallas_launch(kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_de
     block_layers = n_layers if layer_loop else 1
     shape = config.output_shape(n_layers, total_ctx)
     destinations = (k_dest, v_dest)
-    inputs = [kv, cos_sin_cache, positions]
-    inputs += [a for a in (k_norm_weight, eps, slots, k_scale, v_scale, v_multiplier) if a is not None]
+    # The kernel's refs in its order; a None is no operand, and the kernel gets None for it.
+    inputs = (kv, cos_sin_cache, positions, k_norm_weight, eps, slots, k_scale, v_scale, v_multiplier, *destinations)
+    operands = [a for a in inputs if a is not None]
     # Inside jax.shard_map (check_vma, its default) each output must say which mesh axes
     # it varies over; jax 0.10-0.11 spell that ShapeDtypeStruct(manual_axis_type=...).
-    varying = _varying_axes(inputs + [d for d in destinations if d is not None])
+    varying = _varying_axes(operands)
     out_shape = [jax.ShapeDtypeStruct(shape if d is None else d.shape,
                                       kv.dtype if d is None else d.dtype,
                                       manual_axis_type=varying)
                  for d in destinations]
+    # Aliases index the operands, which the destinations given end.
     aliases = {}
+    read = len(operands) - sum(d is not None for d in destinations)
     for output_index, destination in enumerate(destinations):
         if destination is not None:
-            aliases[len(inputs)] = output_index
-            inputs.append(destination)
+            aliases[read + len(aliases)] = output_index
     kernel = functools.partial(
         _fused_kv_norm_rope_kernel,
         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
         rotary_dim=config.rotary_dim, rope_style=config.rope_style, k_rows=k_rows,
-        block_tokens=block_tokens, block_layers=block_layers, block_heads=block_heads,
-        normed=k_norm_weight is not None, slotted=slots is not None, k_quantized=k_scale is not None,
-        v_quantized=v_scale is not None, v_multiplied=v_multiplier is not None, interpret=interpret,
+        block_tokens=block_tokens, block_layers=block_layers, block_heads=block_heads, interpret=interpret,
     )
     grid = (pl.cdiv(total_ctx, block_tokens), n_layers // block_layers, pl.cdiv(config.num_kv_heads, block_heads))
     return pl.pallas_call(

@@ -162,6 +162,58 @@ def test_programs_take_every_layer_when_a_wave_of_them_fills_the_gpu(monkeypatch
         assert jax_kernel.default_tile(*shape, rotary_dim=config.rotary_dim) == tile
 
 
+def _kernel_memory_accesses(call, args):
+    """``(kind, operand)`` of each load and store of the Pallas kernel traced by ``call``, in
+    program order: kind ``"load"`` or ``"store"``, operand the index of the kernel's ref."""
+    def pallas_call(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                return eqn
+            for inner in (getattr(param, "jaxpr", None) for param in eqn.params.values()):
+                found = inner is not None and pallas_call(getattr(inner, "jaxpr", inner))
+                if found:
+                    return found
+        return None
+
+    kernel = pallas_call(jax.make_jaxpr(call)(*args).jaxpr).params["jaxpr"]
+    kinds = {"masked_load": "load", "masked_swap": "store"}
+    return [(kinds[eqn.primitive.name], kernel.invars.index(eqn.invars[0]))
+            for eqn in kernel.eqns if eqn.primitive.name in kinds]
+
+
+@pytest.mark.parametrize("looped", [True, False], ids=["every-layer", "one-layer"])
+@pytest.mark.parametrize("config", [FusedKVConfig(2, 16, 16, "neox"), FusedKVConfig(2, 16, 8, "gptj")],
+                         ids=["k-in-halves", "k-as-rows"])
+def test_a_program_issues_its_loads_before_the_stores_that_could_hold_them_up(monkeypatch, config, looped):
+    # The compiler keeps a load after a store (the outputs might alias kv), so the kernel's
+    # speed rests on this order: positions first (the cos/sin rows wait on them), then the
+    # loads of the first layers, the cos/sin rows, and before each layer's stores the loads
+    # of the layers LAYERS_IN_FLIGHT after it.
+    monkeypatch.setattr(jax_kernel, "loops_over_layers", lambda *args, **kwargs: looped)
+    n_layers = 5
+    kv, cos_sin, positions, k_dest, v_dest = 0, 1, 2, 5, 6  # the kernel's refs with a K-norm
+    args = (jax.ShapeDtypeStruct((4, n_layers, 2 * config.kv_size), jnp.bfloat16),
+            jax.ShapeDtypeStruct((n_layers, config.head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((n_layers,), jnp.float32),
+            jax.ShapeDtypeStruct((8, config.rotary_dim), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.int32))
+    accesses = _kernel_memory_accesses(
+        functools.partial(fused_kv_norm_rope, **_static(config), interpret=False), args)
+    stores = [i for i, (kind, _) in enumerate(accesses) if kind == "store"]
+    kv_loads = [i for i, access in enumerate(accesses) if access == ("load", kv)]
+    cos_sin_loads = [i for i, access in enumerate(accesses) if access == ("load", cos_sin)]
+    assert accesses[0] == ("load", positions)
+    assert len(cos_sin_loads) == 2 and 0 < min(cos_sin_loads) and max(cos_sin_loads) < stores[0]
+    assert {accesses[i][1] for i in stores} == {k_dest, v_dest}
+    program_layers = n_layers if looped else 1
+    kv_loads_per_layer, stores_per_layer = len(kv_loads) // program_layers, len(stores) // program_layers
+    assert (kv_loads_per_layer * program_layers, stores_per_layer * program_layers) == (len(kv_loads), len(stores))
+    for j, store in enumerate(stores):
+        loaded_layers = min(program_layers, j // stores_per_layer + jax_kernel.LAYERS_IN_FLIGHT + 1)
+        assert sum(load < store for load in kv_loads) >= loaded_layers * kv_loads_per_layer
+    assert sum(load < cos_sin_loads[0] for load in kv_loads) == (
+        min(program_layers, jax_kernel.LAYERS_IN_FLIGHT) * kv_loads_per_layer)
+
+
 SMALL = FusedKVConfig(2, 8, 8, "neox")
 
 
