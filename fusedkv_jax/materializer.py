@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from fusedkv_jax.kernel import on_cpu, fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_jax.indices import narrow_for_jax
+from interop.core.checkpoint import read_checkpoint_layers
 from interop.core.materializer import LayerKV, validate_layers, validate_materialize
 from interop.core.spec import check_output_buffers
 
@@ -62,6 +63,31 @@ class FusedKVMaterializer:
             self.v_multiplier = jnp.asarray([float(layer.v_multiplier) for layer in layers], dtype=jnp.float32)
         self.cos_sin_cache = jnp.asarray(
             layers[0].rope.cos_sin_cache() if cos_sin_cache is None else cos_sin_cache)
+
+    @classmethod
+    def from_pretrained(cls, path, *, layers: Sequence[int] | None = None, dtype=None,
+                        device: jax.Device | None = None, max_position: int | None = None) -> FusedKVMaterializer:
+        """The materializer of a checkpoint's draft layers, read from a local directory.
+
+        ``path`` holds ``config.json`` and ``*.safetensors``: a DFlash draft, or a Llama, Qwen2
+        or Qwen3 decoder whose layers serve as draft layers
+        (:func:`~interop.core.checkpoint.read_checkpoint_layers`: only the K/V projections,
+        their biases and K-norm weights are read; nothing is downloaded).
+
+        Args:
+          layers: indices of the checkpoint's layers to use, in order; None: all.
+          dtype: the weights' dtype (bf16, fp16 or fp32); None: the checkpoint's.
+          device: the jax device whose arrays the materializer holds; None: the default device.
+          max_position: rows of the rotary table; None: the config's ``max_position_embeddings``.
+
+        A checkpoint that cannot be served as asked (a missing tensor, a shape that disagrees
+        with the config, a RoPE type or quantization not supported) is refused with a
+        ``ValueError`` naming the key and the file, before anything is put on the device.
+        """
+        host_layers = read_checkpoint_layers(path, layers=layers, dtype=dtype, max_position=max_position)
+        # Every array the constructor makes (weights, eps, table) lands on the one device.
+        with jax.default_device(device):
+            return cls(host_layers)
 
     def tree_flatten(self):
         return (self.kv_proj_weight, self.kv_proj_bias, self.k_norm_weight, self.eps, self.cos_sin_cache,

@@ -15,12 +15,15 @@ value back to the host.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 # The op in its two steps, so that a bad call is rejected before the GEMM launches.
 from fusedkv_torch.ops import prepare_cache_call, prepare_call
+from interop.core.checkpoint import read_checkpoint_layers
 from interop.core.materializer import LayerKV, validate_layers, validate_materialize, validate_reserve
 from interop.core.spec import check_arrays
 
@@ -88,6 +91,15 @@ def _stacked_cache(cache, name: str) -> torch.Tensor:
                             first.storage_offset())
 
 
+def _on_device(array: np.ndarray | None, device) -> torch.Tensor | None:
+    """A host array as a tensor on ``device``; bf16 goes through its bits (NumPy has no bf16 of torch's)."""
+    if array is None:
+        return None
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16).to(device)
+    return torch.from_numpy(array).to(device)
+
+
 class FusedKVMaterializer:
     """K and V of every draft layer: ``kv = ctx_hidden @ W^T``, then RMSNorm + RoPE on K.
 
@@ -132,6 +144,34 @@ class FusedKVMaterializer:
         # rest of a decode step's Python.
         self._workspace_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._staging = torch.empty(0, dtype=weight.dtype, device=device)
+
+    @classmethod
+    def from_pretrained(cls, path, *, layers: Sequence[int] | None = None, dtype: torch.dtype | None = None,
+                        device: torch.device | str | None = None,
+                        max_position: int | None = None) -> FusedKVMaterializer:
+        """The materializer of a checkpoint's draft layers, read from a local directory.
+
+        ``path`` holds ``config.json`` and ``*.safetensors``: a DFlash draft, or a Llama, Qwen2
+        or Qwen3 decoder whose layers serve as draft layers
+        (:func:`~interop.core.checkpoint.read_checkpoint_layers`: only the K/V projections,
+        their biases and K-norm weights are read; nothing is downloaded).
+
+        Args:
+          layers: indices of the checkpoint's layers to use, in order; None: all.
+          dtype: the weights' dtype (bf16, fp16 or fp32); None: the checkpoint's.
+          device: where the materializer runs; None: ``"cuda"`` where available, else ``"cpu"``.
+          max_position: rows of the rotary table; None: the config's ``max_position_embeddings``.
+
+        A checkpoint that cannot be served as asked (a missing tensor, a shape that disagrees
+        with the config, a RoPE type or quantization not supported) is refused with a
+        ``ValueError`` naming the key and the file, before anything is put on the device.
+        """
+        host_layers = read_checkpoint_layers(path, layers=layers, dtype=dtype, max_position=max_position)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return cls([dataclasses.replace(layer, **{field: _on_device(getattr(layer, field), device)
+                                                  for field in ("kv_proj_weight", "kv_proj_bias", "k_norm_weight")})
+                    for layer in host_layers])
 
     def reserve(self, max_tokens: int, *, staging: bool = False) -> None:
         """Size the GEMM workspace for ``max_tokens``; with ``staging``, also the output

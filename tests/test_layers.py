@@ -61,8 +61,9 @@ def test_importing_the_core_and_the_backends_loads_no_upper_floor_and_no_framewo
     script = (
         "import sys\n"
         "import interop.core.spec, interop.core.reference, interop.core.materializer, interop.core.arrays\n"
+        "import interop.core.checkpoint\n"
         "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'jax', 'triton', 'fusedkv_torch',"
-        " 'fusedkv_jax') or (m.startswith('interop.') and not m.startswith('interop.core')))\n"
+        " 'fusedkv_jax', 'safetensors') or (m.startswith('interop.') and not m.startswith('interop.core')))\n"
         "assert not loaded, loaded\n"
         "import fusedkv_torch, fusedkv_jax\n"
         "upper = sorted(m for m in sys.modules if m.startswith('interop.') and not m.startswith('interop.core'))\n"
