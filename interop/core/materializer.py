@@ -30,6 +30,7 @@ from interop.core.reference import (
 )
 from interop.core.rope import RopeParameters, rope_cos_sin_table
 from interop.core.spec import (
+    _FLOAT_DTYPES,
     KV_DTYPES,
     FusedKVConfig,
     _type_name,
@@ -40,6 +41,15 @@ from interop.core.spec import (
     size_argument,
     validate_call,
 )
+
+FP8_WEIGHT_DTYPE = "float8_e4m3fn"
+# The GEMM's output for FP8 weights: the one output dtype of torch._scaled_mm's rowwise scaling.
+FP8_KV_DTYPE = "bfloat16"
+WEIGHT_DTYPES = KV_DTYPES + (FP8_WEIGHT_DTYPE,)
+# The largest finite float8_e4m3fn: a token's largest |value| quantizes to it.
+FP8_E4M3_MAX = 448.0
+# Floor of a token's activation scale, so that an all-zero token quantizes to zeros, not NaN.
+_MIN_ACTIVATION_SCALE = 2.0 ** -126
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +110,11 @@ class LayerKV:
       None to copy V bit for bit.
     kv_proj_bias: float[2*kv_size] of the weight's dtype, the K biases then the V biases
       (Qwen2-family projections), added by the GEMM; or None for a projection without one.
+      With FP8 weights it is of the GEMM's output dtype, bfloat16.
+    weight_scale: for, and only for, a float8_e4m3fn ``kv_proj_weight``: float scales
+      dequantizing it (``W = kv_proj_weight * weight_scale``), one per tensor (shape ``()``
+      or ``(1,)``) or one per output row (``(2*kv_size,)`` or ``(2*kv_size, 1)``), as FP8
+      checkpoints store them.
     """
 
     kv_proj_weight: Any
@@ -110,6 +125,7 @@ class LayerKV:
     rope: RopeConfig
     v_multiplier: float | None = None
     kv_proj_bias: Any = None
+    weight_scale: Any = None
 
     def __post_init__(self):
         for name in ("num_kv_heads", "head_dim"):
@@ -128,6 +144,23 @@ class MaterializerConfig:
     normed: bool = True
     v_multiplied: bool = False
     biased: bool = False
+
+    @property
+    def fp8_weights(self) -> bool:
+        """Whether the stacked weights are float8_e4m3fn, with a scale per output row."""
+        return self.weight_dtype == FP8_WEIGHT_DTYPE
+
+    @property
+    def kv_dtype(self) -> str:
+        """The dtype of the GEMM's output, the op's ``kv`` and the results: the weights',
+        bfloat16 for FP8 weights."""
+        return FP8_KV_DTYPE if self.fp8_weights else self.weight_dtype
+
+    @property
+    def fp8_gemm_shapes(self) -> bool:
+        """Whether an FP8 tensor-core GEMM takes these sizes: hidden and the stacked rows
+        multiples of 16 (``torch._scaled_mm``'s requirement, used by both frameworks alike)."""
+        return self.fp8_weights and self.hidden % 16 == 0 and self.kv_width % 16 == 0
 
     @property
     def kv_width(self) -> int:
@@ -168,7 +201,7 @@ def _check_layer_arrays(layers: tuple, cos_sin_cache, accepted: str) -> None:
                 f"Invalid layers[{index}] for fused KV materialization: got {_type_name(layer)}, "
                 "expected an interop.core.materializer.LayerKV."
             )
-        for field in ("kv_proj_weight", "kv_proj_bias", "k_norm_weight"):
+        for field in ("kv_proj_weight", "kv_proj_bias", "k_norm_weight", "weight_scale"):
             name, array = f"layers[{index}].{field}", getattr(layer, field)
             check_arrays(((name, array),), accepted)
             if (device_name(array) or "").startswith("meta"):
@@ -203,7 +236,7 @@ def validate_layers(layers: Sequence[LayerKV], cos_sin_cache=None, *,
     hidden = first_shape[1] if len(first_shape) == 2 else "hidden"
     weight_rows = 2 * first.num_kv_heads * first.head_dim
     weight_shape = f"({weight_rows}, {hidden}) = (2*num_kv_heads*head_dim, hidden)"
-    weight_dtype = dtype_name(first.kv_proj_weight.dtype)
+    weight_dtype = _weight_dtype(first)
     for index, layer in enumerate(layers):
         as_in_first = " as in layer 0" if index else ""
         for what, got, expected, shown in (
@@ -224,6 +257,7 @@ def validate_layers(layers: Sequence[LayerKV], cos_sin_cache=None, *,
             if got != expected:
                 raise _layer_error(index, what, got, f"{shown}{as_in_first}")
         _check_layer_values(index, layer, as_in_first)
+        _check_layer_scale(index, layer, weight_rows, weight_dtype)
         _check_layer_bias(index, layer, weight_rows, weight_dtype)
 
     rope = first.rope
@@ -233,8 +267,9 @@ def validate_layers(layers: Sequence[LayerKV], cos_sin_cache=None, *,
         (rope.max_position, rope.rotary_dim), "float32")
     normed, v_multiplied = first.k_norm_weight is not None, first.v_multiplier is not None
     per_layer = _ShapeOf((n_layers,), "float32")
+    kv_dtype = FP8_KV_DTYPE if weight_dtype == FP8_WEIGHT_DTYPE else weight_dtype
     validate_call(
-        _ShapeOf((0, n_layers, 2 * op.kv_size), weight_dtype),
+        _ShapeOf((0, n_layers, 2 * op.kv_size), kv_dtype),
         _ShapeOf((n_layers, op.head_dim), "float32") if normed else None,
         per_layer if normed else None,
         table,
@@ -249,6 +284,18 @@ def validate_layers(layers: Sequence[LayerKV], cos_sin_cache=None, *,
         )
     return MaterializerConfig(op, n_layers, int(first_shape[1]), weight_dtype, rope.max_position, normed,
                               v_multiplied, first.kv_proj_bias is not None)
+
+
+def _weight_dtype(first: LayerKV) -> str:
+    """Layer 0's weight dtype, refused unless the GEMM takes it (each other layer must match it)."""
+    name = dtype_name(first.kv_proj_weight.dtype)
+    if name not in WEIGHT_DTYPES:
+        raise ValueError(
+            f"Invalid layers[0].kv_proj_weight dtype for fused KV materialization: got {name}, expected one of "
+            f"{WEIGHT_DTYPES} ({name} weights are not supported: quantized weights must be {FP8_WEIGHT_DTYPE} "
+            "with a weight_scale)."
+        )
+    return name
 
 
 def _has(what: str, value) -> str:
@@ -275,16 +322,36 @@ def _check_layer_values(index: int, layer: LayerKV, as_in_first: str) -> None:
         raise _layer_error(index, "v_multiplier", repr(layer.v_multiplier), "a finite float, or None")
 
 
+def _check_layer_scale(index: int, layer: LayerKV, weight_rows: int, weight_dtype: str) -> None:
+    """A layer's ``weight_scale``: given exactly for FP8 weights, a float per tensor or per row."""
+    scale = layer.weight_scale
+    if weight_dtype != FP8_WEIGHT_DTYPE:
+        if scale is not None:
+            raise _layer_error(index, "weight_scale", "an array", f"none for {weight_dtype} weights")
+        return
+    if scale is None:
+        raise _layer_error(index, "weight_scale", "none", f"a weight_scale for {FP8_WEIGHT_DTYPE} weights")
+    shape = tuple(int(d) for d in scale.shape)
+    if shape not in ((), (1,), (weight_rows,), (weight_rows, 1)):
+        raise _layer_error(index, "weight_scale shape", shape,
+                           f"() or (1,) (per tensor), or {(weight_rows,)} or {(weight_rows, 1)} (per output row)")
+    if dtype_name(scale.dtype) not in _FLOAT_DTYPES:
+        raise _layer_error(index, "weight_scale dtype", dtype_name(scale.dtype), f"one of {_FLOAT_DTYPES}")
+
+
 def _check_layer_bias(index: int, layer: LayerKV, weight_rows: int, weight_dtype: str) -> None:
-    """A layer's projection bias: one value per row of the weight, in the weight's dtype (the
-    GEMM adds it in its epilogue, which takes one dtype)."""
+    """A layer's projection bias: one value per row of the weight, in the GEMM's output dtype
+    (the weight's, bfloat16 for FP8 weights: the GEMM adds it in its epilogue, which takes one dtype)."""
     bias = layer.kv_proj_bias
     if bias is None:
         return
     shape = tuple(int(d) for d in bias.shape)
     if shape != (weight_rows,):
         raise _layer_error(index, "kv_proj_bias shape", shape, f"{(weight_rows,)} = (2*num_kv_heads*head_dim,)")
-    if dtype_name(bias.dtype) != weight_dtype:
+    if weight_dtype == FP8_WEIGHT_DTYPE and dtype_name(bias.dtype) != FP8_KV_DTYPE:
+        raise _layer_error(index, "kv_proj_bias dtype", dtype_name(bias.dtype),
+                           f"{FP8_KV_DTYPE}, the GEMM's output dtype for {FP8_WEIGHT_DTYPE} weights")
+    if weight_dtype != FP8_WEIGHT_DTYPE and dtype_name(bias.dtype) != weight_dtype:
         raise _layer_error(index, "kv_proj_bias dtype", dtype_name(bias.dtype),
                            f"{weight_dtype}, the kv_proj_weight dtype")
 
@@ -373,8 +440,16 @@ def head_parallel_layers(layers: Sequence[LayerKV], rank: int, world_size: int) 
                            config.op.kv_size + np.arange(first, first + share)])
     return tuple(dataclasses.replace(layer, kv_proj_weight=layer.kv_proj_weight[rows],
                                      kv_proj_bias=None if layer.kv_proj_bias is None else layer.kv_proj_bias[rows],
+                                     weight_scale=_rows_of_scale(layer.weight_scale, rows),
                                      num_kv_heads=heads // world_size)
                  for layer in layers)
+
+
+def _rows_of_scale(scale, rows: np.ndarray):
+    """The rows ``rows`` of a per-row ``weight_scale``; a per-tensor one (or None) as it is."""
+    if scale is None or int(np.prod(scale.shape)) == 1:
+        return scale
+    return scale[rows]
 
 
 def stacked_op_arrays(layers, cos_sin_cache=None):
@@ -395,30 +470,73 @@ def stacked_v_multiplier(layers) -> np.ndarray | None:
     return np.array([layer.v_multiplier for layer in layers], np.float32)
 
 
-def projection_reference(layers, ctx_hidden) -> np.ndarray:
-    """The stacked K/V projection in NumPy: ``kv[t, l] = ctx_hidden[t] @ kv_proj_weight[l]^T
-    (+ kv_proj_bias[l])`` in fp32, fp32[total_ctx, n_layers, 2*kv_size], after rounding
-    ``ctx_hidden`` to the weights' dtype as the materializers do."""
-    dtype = as_numpy(layers[0].kv_proj_weight).dtype
-    hidden = as_numpy(ctx_hidden).astype(dtype).astype(np.float32)
+def weight_scale_rows(layer: LayerKV) -> np.ndarray:
+    """fp32[2*kv_size]: the layer's ``weight_scale`` (an FP8 layer's) as one scale per output row."""
+    scale = as_numpy(layer.weight_scale).astype(np.float32).reshape(-1)
+    return np.broadcast_to(scale, (int(layer.kv_proj_weight.shape[0]),))
+
+
+def dequantized_weight(layer: LayerKV) -> np.ndarray:
+    """fp32[2*kv_size, hidden]: the layer's projection weight, FP8 codes times their scales."""
+    weight = as_numpy(layer.kv_proj_weight).astype(np.float32)
+    return weight if layer.weight_scale is None else weight * weight_scale_rows(layer)[:, None]
+
+
+def quantize_per_token(hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(codes, scale)``: float8_e4m3fn[T, hidden] and fp32[T, 1], ``hidden ~ codes * scale``.
+
+    The FP8 tensor-core GEMM's dynamic activation quantization: each token's scale is its
+    largest ``|value|`` over 448 (at least ``2**-126``), and ``hidden / scale`` is
+    rounded once from fp32 to the nearest code.
+    """
+    hidden = np.asarray(hidden, np.float32)
+    amax = np.abs(hidden).max(axis=1, keepdims=True)
+    scale = np.maximum(amax / np.float32(FP8_E4M3_MAX), np.float32(_MIN_ACTIVATION_SCALE)).astype(np.float32)
+    return (hidden / scale).astype(numpy_dtype(FP8_WEIGHT_DTYPE)), scale
+
+
+def projection_reference(layers, ctx_hidden, *, fp8_activations: bool = False) -> np.ndarray:
+    """The stacked K/V projection in NumPy: ``kv[t, l] = ctx_hidden[t] @ W_l^T (+ kv_proj_bias[l])``
+    in fp32, fp32[total_ctx, n_layers, 2*kv_size], after rounding ``ctx_hidden`` to the GEMM's
+    dtype (the weights', bfloat16 for FP8 weights) as the materializers do.
+
+    ``W_l`` is the layer's weight, dequantized for FP8 weights (dequantize-then-GEMM). With
+    ``fp8_activations`` (FP8 weights only), ``ctx_hidden`` is quantized per token as the
+    FP8 tensor-core GEMM does (:func:`quantize_per_token`) and the products summed in fp64:
+    that GEMM's result but for its accumulation order.
+    """
+    weight_dtype = dtype_name(as_numpy(layers[0].kv_proj_weight).dtype)
+    fp8 = weight_dtype == FP8_WEIGHT_DTYPE
+    hidden = as_numpy(ctx_hidden).astype(numpy_dtype(FP8_KV_DTYPE if fp8 else weight_dtype)).astype(np.float32)
+    if fp8_activations and not fp8:
+        raise ValueError(f"Invalid fp8_activations for fused KV materialization: got True for {weight_dtype} "
+                         f"weights, expected False (it applies to {FP8_WEIGHT_DTYPE} weights).")
 
     def project(layer):
-        kv = hidden @ as_numpy(layer.kv_proj_weight).astype(np.float32).T
+        if fp8_activations:
+            codes, scale = quantize_per_token(hidden)
+            products = codes.astype(np.float64) @ as_numpy(layer.kv_proj_weight).astype(np.float64).T
+            kv = (products * scale * weight_scale_rows(layer)).astype(np.float32)
+        else:
+            kv = hidden @ dequantized_weight(layer).T
         return kv if layer.kv_proj_bias is None else kv + as_numpy(layer.kv_proj_bias).astype(np.float32)
 
     return np.stack([project(layer) for layer in layers], axis=1)
 
 
-def materializer_reference(layers, ctx_hidden, positions, cos_sin_cache=None):
+def materializer_reference(layers, ctx_hidden, positions, cos_sin_cache=None, *, fp8_activations: bool = False):
     """The materializer in NumPy: kv = ctx_hidden @ W_l^T (+ b_l) in fp32 for every layer, then the op.
 
-    ``ctx_hidden`` is first rounded to the weights' dtype, as the materializers do; kv
-    is not (compare with :data:`interop.testing.END_TO_END_TOLERANCE`). Returns ``(k, v)``, each
-    weights-dtype[n_layers, total_ctx, num_kv_heads, head_dim].
+    ``ctx_hidden`` is first rounded to the GEMM's dtype, as the materializers do; kv
+    is not (compare with :data:`interop.testing.END_TO_END_TOLERANCE`). FP8 weights are
+    dequantized (``fp8_activations``: see :func:`projection_reference`). Returns ``(k, v)``,
+    each kv-dtype[n_layers, total_ctx, num_kv_heads, head_dim] (the weights' dtype, bfloat16
+    for FP8 weights).
     """
     config = validate_layers(layers, cos_sin_cache)
-    dtype = numpy_dtype(config.weight_dtype)
+    dtype = numpy_dtype(config.kv_dtype)
+    kv = projection_reference(layers, ctx_hidden, fp8_activations=fp8_activations)
     k, v = fused_kv_norm_rope_reference(
-        projection_reference(layers, ctx_hidden), *stacked_op_arrays(layers, cos_sin_cache), as_numpy(positions),
+        kv, *stacked_op_arrays(layers, cos_sin_cache), as_numpy(positions),
         **config.op_kwargs(), v_multiplier=stacked_v_multiplier(layers))
     return k.astype(dtype), v.astype(dtype)
