@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from fusedkv_jax.kernel import on_cpu, fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_jax.indices import narrow_for_jax
 from interop.core.checkpoint import read_checkpoint_layers
-from interop.core.materializer import LayerKV, validate_layers, validate_materialize
+from interop.core.materializer import (FP8_E4M3_MAX, MIN_ACTIVATION_AMAX, LayerKV, MaterializerConfig,
+                                      validate_layers, validate_materialize)
 from interop.core.spec import check_output_buffers
 
 
@@ -38,6 +39,12 @@ class FusedKVMaterializer:
     ``kv: dtype[total_ctx, n_layers, 2*kv_size]`` for free; ``dtype`` is the weights'.
     Layers with a ``kv_proj_bias`` have it added to the GEMM's output in the same jit
     (``kv = ctx_hidden @ W^T + b``), where XLA folds it into the GEMM.
+
+    FP8 weights (float8_e4m3fn with a ``weight_scale``) give bfloat16 ``kv`` and results. On a
+    CUDA device with FP8 tensor cores (compute capability 8.9 or later), with ``hidden`` and
+    the stacked rows multiples of 16, the GEMM is a dot of FP8 operands accumulated in fp32,
+    the activations quantized per token to float8_e4m3fn; elsewhere (a CPU, an older GPU)
+    it is dequantize-then-GEMM: fp32 weights, an fp32 dot, rounded once.
 
     Args:
       layers: one :class:`~interop.core.materializer.LayerKV` per draft layer, holding
@@ -53,6 +60,11 @@ class FusedKVMaterializer:
         self.config = validate_layers(layers, cos_sin_cache, accepted="jax")
         self.kv_proj_weight = jnp.concatenate([jnp.asarray(layer.kv_proj_weight) for layer in layers])
         self.kv_proj_bias = self.k_norm_weight = self.eps = self.v_multiplier = None  # a draft without them
+        self.weight_scale = None
+        if self.config.fp8_weights:
+            self.weight_scale = jnp.concatenate([
+                jnp.broadcast_to(jnp.asarray(layer.weight_scale, jnp.float32).reshape(-1),
+                                 (layer.kv_proj_weight.shape[0],)) for layer in layers])
         if self.config.biased:
             self.kv_proj_bias = jnp.concatenate([jnp.asarray(layer.kv_proj_bias) for layer in layers])
         if self.config.normed:
@@ -90,15 +102,16 @@ class FusedKVMaterializer:
             return cls(host_layers)
 
     def tree_flatten(self):
-        return (self.kv_proj_weight, self.kv_proj_bias, self.k_norm_weight, self.eps, self.cos_sin_cache,
-                self.v_multiplier), self.config
+        # The arrays with a row per stacked output row first: head-parallel sharding splits them.
+        return (self.kv_proj_weight, self.kv_proj_bias, self.weight_scale, self.k_norm_weight, self.eps,
+                self.cos_sin_cache, self.v_multiplier), self.config
 
     @classmethod
     def tree_unflatten(cls, config, leaves):
         materializer = object.__new__(cls)
         materializer.config = config
-        (materializer.kv_proj_weight, materializer.kv_proj_bias, materializer.k_norm_weight, materializer.eps,
-         materializer.cos_sin_cache, materializer.v_multiplier) = leaves
+        (materializer.kv_proj_weight, materializer.kv_proj_bias, materializer.weight_scale, materializer.k_norm_weight,
+         materializer.eps, materializer.cos_sin_cache, materializer.v_multiplier) = leaves
         return materializer
 
     def project(self, ctx_hidden: jax.Array) -> jax.Array:
@@ -107,7 +120,7 @@ class FusedKVMaterializer:
         ``ctx_hidden: float[total_ctx, hidden]``, cast once to the weights' dtype.
         """
         validate_materialize(ctx_hidden, self.config, None, accepted="jax")
-        return _project(self, ctx_hidden)
+        return _project(self, ctx_hidden, fp8_gemm=_fp8_gemm(self.config, ctx_hidden))
 
     def materialize(
         self,
@@ -130,7 +143,8 @@ class FusedKVMaterializer:
         """
         validate_materialize(ctx_hidden, self.config, max_position, accepted="jax",
                              arrays=(("positions", positions),))
-        return _materialize(self, ctx_hidden, narrow_for_jax(positions), interpret=on_cpu(ctx_hidden))
+        return _materialize(self, ctx_hidden, narrow_for_jax(positions), interpret=on_cpu(ctx_hidden),
+                            fp8_gemm=_fp8_gemm(self.config, ctx_hidden))
 
     def materialize_layers(
         self,
@@ -194,36 +208,82 @@ class FusedKVMaterializer:
         check_output_buffers(None, caches)
         return _materialize_into_cache(
             self, ctx_hidden, narrow_for_jax(positions),
-            narrow_for_jax(cache_loc), k_cache, v_cache, k_scale, v_scale, interpret=on_cpu(ctx_hidden))
+            narrow_for_jax(cache_loc), k_cache, v_cache, k_scale, v_scale, interpret=on_cpu(ctx_hidden),
+            fp8_gemm=_fp8_gemm(self.config, ctx_hidden))
 
 
-@jax.jit
-def _project(materializer: FusedKVMaterializer, ctx_hidden: jax.Array) -> jax.Array:
+def _fp8_gemm(config: MaterializerConfig, ctx_hidden) -> bool:
+    """Whether the FP8 weights' GEMM runs on FP8 tensor cores: a CUDA device of compute
+    capability 8.9 or later where ``ctx_hidden`` lives (the default backend's, for a tracer),
+    and sizes such a GEMM takes. Decided before jit, as ``interpret`` is."""
+    if not config.fp8_gemm_shapes:
+        return False
+    try:
+        devices = ctx_hidden.devices()
+    except (AttributeError, jax.errors.ConcretizationTypeError):
+        devices = jax.devices()[:1]
+    return all(device.platform == "gpu" and _capability(device) >= 8.9 for device in devices)
+
+
+def _capability(device) -> float:
+    try:  # CUDA devices name theirs as "9.0"; a ROCm one ("gfx942") has no FP8 of this format
+        return float(getattr(device, "compute_capability", 0))
+    except ValueError:
+        return 0.0
+
+
+def _fp8_projection(ctx_hidden, weight, weight_scale, bias, fp8_gemm: bool) -> jax.Array:
+    """``ctx_hidden @ (weight * weight_scale)^T (+ bias)`` for float8_e4m3fn weights, bfloat16.
+
+    With ``fp8_gemm``: a dot of FP8 operands accumulated in fp32, the activations quantized
+    per token (as :func:`~interop.core.materializer.quantize_per_token`), both scales applied
+    after it. Otherwise dequantize-then-GEMM: fp32 weights, an fp32 dot (at full precision,
+    not TF32). Either rounds once, to bfloat16.
+    """
+    hidden = ctx_hidden.astype(jnp.bfloat16).astype(jnp.float32)
+    if fp8_gemm:
+        inverse = FP8_E4M3_MAX / jnp.maximum(jnp.max(jnp.abs(hidden), axis=1, keepdims=True), MIN_ACTIVATION_AMAX)
+        codes = (hidden * inverse).astype(jnp.float8_e4m3fn)
+        products = jax.lax.dot_general(codes, weight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        kv = products * (1 / inverse) * weight_scale
+    else:
+        kv = jnp.dot(hidden, (weight.astype(jnp.float32) * weight_scale[:, None]).T,
+                     precision=jax.lax.Precision.HIGHEST)
+    if bias is not None:
+        kv = kv + bias.astype(jnp.float32)
+    return kv.astype(jnp.bfloat16)
+
+
+@functools.partial(jax.jit, static_argnames=("fp8_gemm",))
+def _project(materializer: FusedKVMaterializer, ctx_hidden: jax.Array, *, fp8_gemm: bool) -> jax.Array:
     weight = materializer.kv_proj_weight
-    kv = jnp.dot(ctx_hidden.astype(weight.dtype), weight.T)
-    if materializer.kv_proj_bias is not None:
-        kv = kv + materializer.kv_proj_bias
+    if materializer.config.fp8_weights:
+        kv = _fp8_projection(ctx_hidden, weight, materializer.weight_scale, materializer.kv_proj_bias, fp8_gemm)
+    else:
+        kv = jnp.dot(ctx_hidden.astype(weight.dtype), weight.T)
+        if materializer.kv_proj_bias is not None:
+            kv = kv + materializer.kv_proj_bias
     return kv.reshape(materializer.config.kv_shape(ctx_hidden.shape[0]))
 
 
-def _op_arrays(materializer: FusedKVMaterializer, ctx_hidden: jax.Array, positions: jax.Array):
-    return (_project(materializer, ctx_hidden), materializer.k_norm_weight, materializer.eps,
+def _op_arrays(materializer: FusedKVMaterializer, ctx_hidden: jax.Array, positions: jax.Array, fp8_gemm: bool):
+    return (_project(materializer, ctx_hidden, fp8_gemm=fp8_gemm), materializer.k_norm_weight, materializer.eps,
             materializer.cos_sin_cache, positions)
 
 
 # ``interpret`` is decided before jit, from where ``ctx_hidden`` lives: inside, the kernel
 # sees tracers, which have no device, and would follow the default backend instead.
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _materialize(materializer, ctx_hidden, positions, *, interpret):
-    return fused_kv_norm_rope(*_op_arrays(materializer, ctx_hidden, positions),
+@functools.partial(jax.jit, static_argnames=("interpret", "fp8_gemm"))
+def _materialize(materializer, ctx_hidden, positions, *, interpret, fp8_gemm):
+    return fused_kv_norm_rope(*_op_arrays(materializer, ctx_hidden, positions, fp8_gemm),
                               **materializer.config.op_kwargs(), v_multiplier=materializer.v_multiplier,
                               interpret=interpret)
 
 
-@functools.partial(jax.jit, donate_argnames=("k_cache", "v_cache"), static_argnames=("interpret",))
+@functools.partial(jax.jit, donate_argnames=("k_cache", "v_cache"), static_argnames=("interpret", "fp8_gemm"))
 def _materialize_into_cache(materializer, ctx_hidden, positions, cache_loc, k_cache, v_cache,
-                            k_scale, v_scale, *, interpret):
+                            k_scale, v_scale, *, interpret, fp8_gemm):
     return fused_kv_norm_rope_into_cache(
-        *_op_arrays(materializer, ctx_hidden, positions), cache_loc, k_cache, v_cache,
+        *_op_arrays(materializer, ctx_hidden, positions, fp8_gemm), cache_loc, k_cache, v_cache,
         **materializer.config.op_kwargs(), k_scale=k_scale, v_scale=v_scale, v_multiplier=materializer.v_multiplier,
         interpret=interpret)

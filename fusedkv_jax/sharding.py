@@ -84,11 +84,14 @@ def head_parallel_materializer(
     config = shares[0].config
     by_head = PartitionSpec(axis_name)
     whole = PartitionSpec()
-    # The projection weight and bias are split by heads; every other array (None where a draft has none) is whole.
+    # The projection weight, bias and weight scales are split by heads; every other array (None where a draft
+    # has none) is whole.
     children, _ = shares[0].tree_flatten()
     children = (jnp.concatenate([share.kv_proj_weight for share in shares]),
-                jnp.concatenate([share.kv_proj_bias for share in shares]) if config.biased else None, *children[2:])
-    child_specs = [None if child is None else by_head if index < 2 else whole for index, child in enumerate(children)]
+                jnp.concatenate([share.kv_proj_bias for share in shares]) if config.biased else None,
+                jnp.concatenate([share.weight_scale for share in shares]) if config.fp8_weights else None,
+                *children[3:])
+    child_specs = [None if child is None else by_head if index < 3 else whole for index, child in enumerate(children)]
     placed = [None if child is None else jax.device_put(child, NamedSharding(mesh, spec))
               for child, spec in zip(children, child_specs)]
     return (FusedKVMaterializer.tree_unflatten(config, placed),

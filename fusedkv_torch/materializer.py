@@ -24,7 +24,8 @@ import torch
 # The op in its two steps, so that a bad call is rejected before the GEMM launches.
 from fusedkv_torch.ops import prepare_cache_call, prepare_call
 from interop.core.checkpoint import read_checkpoint_layers
-from interop.core.materializer import LayerKV, validate_layers, validate_materialize, validate_reserve
+from interop.core.materializer import (FP8_E4M3_MAX, MIN_ACTIVATION_AMAX, LayerKV, validate_layers,
+                                      validate_materialize, validate_reserve)
 from interop.core.spec import check_arrays
 
 
@@ -91,12 +92,17 @@ def _stacked_cache(cache, name: str) -> torch.Tensor:
                             first.storage_offset())
 
 
+# Host dtypes torch cannot take in from NumPy (ml_dtypes'): their bits go through an integer view.
+_BIT_VIEWS = {"bfloat16": (np.int16, torch.bfloat16), "float8_e4m3fn": (np.uint8, torch.float8_e4m3fn)}
+
+
 def _on_device(array: np.ndarray | None, device) -> torch.Tensor | None:
-    """A host array as a tensor on ``device``; bf16 goes through its bits (NumPy has no bf16 of torch's)."""
+    """A host array as a tensor on ``device``; bf16 and fp8 go through their bits."""
     if array is None:
         return None
-    if array.dtype.name == "bfloat16":
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16).to(device)
+    if array.dtype.name in _BIT_VIEWS:
+        bits, dtype = _BIT_VIEWS[array.dtype.name]
+        return torch.from_numpy(array.view(bits)).view(dtype).to(device)
     return torch.from_numpy(array).to(device)
 
 
@@ -107,6 +113,12 @@ class FusedKVMaterializer:
     V rows) into ``[n_layers*2*kv_size, hidden]``, so that the GEMM's output reshapes to
     ``kv: dtype[total_ctx, n_layers, 2*kv_size]`` for free; ``dtype`` is the weights'.
     Layers with a ``kv_proj_bias`` have it added by the GEMM (``kv = ctx_hidden @ W^T + b``).
+
+    FP8 weights (float8_e4m3fn with a ``weight_scale``) give bfloat16 ``kv`` and results. On a
+    CUDA device with FP8 tensor cores (compute capability 8.9 or later), with ``hidden`` and
+    the stacked rows multiples of 16, the GEMM runs there (``torch._scaled_mm``), the
+    activations quantized per token to float8_e4m3fn; elsewhere (a CPU, an older GPU) it is
+    dequantize-then-GEMM: the weights dequantized once to fp32, an fp32 GEMM, rounded once.
 
     Args:
       layers: one :class:`~interop.core.materializer.LayerKV` per draft layer, holding
@@ -126,6 +138,11 @@ class FusedKVMaterializer:
         device = weight.device
         self.kv_proj_weight = weight
         self.kv_proj_bias = self.k_norm_weight = self.eps = self.v_multiplier = None  # a draft without them
+        self.weight_scale = None
+        kv_dtype = getattr(torch, self.config.kv_dtype)
+        if self.config.fp8_weights:
+            self.weight_scale = torch.cat([layer.weight_scale.to(device=device, dtype=torch.float32).reshape(-1)
+                                           .expand(layer.kv_proj_weight.shape[0]) for layer in layers])
         if self.config.biased:
             self.kv_proj_bias = torch.cat([layer.kv_proj_bias.to(device) for layer in layers])
         if self.config.normed:
@@ -139,11 +156,16 @@ class FusedKVMaterializer:
             cos_sin_cache = torch.from_numpy(layers[0].rope.cos_sin_cache())
         self.cos_sin_cache = cos_sin_cache.to(device)
         self._weight_t = weight.t()
-        self._workspace = torch.empty(0, dtype=weight.dtype, device=device)
+        self._fp8_gemm = self.config.fp8_gemm_shapes and _has_fp8_tensor_cores(device)
+        if self._fp8_gemm:
+            self._weight_scale_row = self.weight_scale[None, :]
+        elif self.config.fp8_weights:  # no FP8 tensor cores: dequantize-then-GEMM, in fp32
+            self._weight_t = (weight.to(torch.float32) * self.weight_scale[:, None]).t()
+        self._workspace = torch.empty(0, dtype=kv_dtype, device=device)
         # Views of the workspace per total_ctx: making them costs more host time than the
         # rest of a decode step's Python.
         self._workspace_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._staging = torch.empty(0, dtype=weight.dtype, device=device)
+        self._staging = torch.empty(0, dtype=kv_dtype, device=device)
 
     @classmethod
     def from_pretrained(cls, path, *, layers: Sequence[int] | None = None, dtype: torch.dtype | None = None,
@@ -170,7 +192,8 @@ class FusedKVMaterializer:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         return cls([dataclasses.replace(layer, **{field: _on_device(getattr(layer, field), device)
-                                                  for field in ("kv_proj_weight", "kv_proj_bias", "k_norm_weight")})
+                                                  for field in ("kv_proj_weight", "kv_proj_bias", "k_norm_weight",
+                                                                "weight_scale")})
                     for layer in host_layers])
 
     def reserve(self, max_tokens: int, *, staging: bool = False) -> None:
@@ -307,8 +330,40 @@ class FusedKVMaterializer:
     def _project_into(self, gemm_out: torch.Tensor, ctx_hidden: torch.Tensor) -> None:
         # The workspace slice is contiguous and of the GEMM's exact output shape, so
         # mm writes it in place rather than resizing it; addmm adds a bias in the GEMM's epilogue.
-        hidden = ctx_hidden.to(self.kv_proj_weight.dtype)
-        if self.kv_proj_bias is None:
+        hidden = ctx_hidden.to(gemm_out.dtype)
+        if self._fp8_gemm:
+            _fp8_mm_into(gemm_out, hidden, self._weight_t, self._weight_scale_row, self.kv_proj_bias)
+        elif self.config.fp8_weights:  # dequantized fp32 weights: one rounding, into the workspace
+            gemm_out.copy_(torch.mm(hidden.to(torch.float32), self._weight_t) if self.kv_proj_bias is None else
+                           torch.addmm(self.kv_proj_bias.to(torch.float32), hidden.to(torch.float32), self._weight_t))
+        elif self.kv_proj_bias is None:
             torch.mm(hidden, self._weight_t, out=gemm_out)
         else:
             torch.addmm(self.kv_proj_bias, hidden, self._weight_t, out=gemm_out)
+
+
+def _has_fp8_tensor_cores(device: torch.device) -> bool:
+    """A CUDA device of compute capability 8.9 or later (Ada, Hopper, Blackwell) runs
+    ``torch._scaled_mm`` on FP8 tensor cores; ROCm's FP8 is another format (e4m3fnuz)."""
+    return device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _fp8_mm_into(out: torch.Tensor, hidden: torch.Tensor, weight_t: torch.Tensor, weight_scale: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+    """``out = (q * scale) @ (weight_t * weight_scale) (+ bias)`` on FP8 tensor cores, ``q`` and
+    ``scale`` the per-token quantization of ``hidden`` (as :func:`~interop.core.materializer.quantize_per_token`).
+
+    ``torch._scaled_mm`` takes two FP8 operands (so the activations are quantized, each token
+    with its own scale, fp32[T, 1]), the second column-major (``weight_t``, a transposed
+    row-major weight), fp32 scales of shapes (T, 1) and (1, N) for rowwise scaling, and
+    writes bfloat16, accumulating in fp32 (``use_fast_accum=False``) with the bias added
+    in its epilogue.
+    """
+    if not out.shape[0]:
+        return
+    hidden = hidden.to(torch.float32)
+    # torch.div, not 448 / tensor: that is the tensor's reciprocal times 448, rounded twice.
+    inverse = torch.div(FP8_E4M3_MAX, hidden.abs().amax(dim=1, keepdim=True).clamp(min=MIN_ACTIVATION_AMAX))
+    codes = (hidden * inverse).to(torch.float8_e4m3fn)
+    torch._scaled_mm(codes, weight_t, inverse.reciprocal(), weight_scale, bias=bias, out_dtype=out.dtype, use_fast_accum=False,
+                     out=out)

@@ -48,8 +48,9 @@ FP8_KV_DTYPE = "bfloat16"
 WEIGHT_DTYPES = KV_DTYPES + (FP8_WEIGHT_DTYPE,)
 # The largest finite float8_e4m3fn: a token's largest |value| quantizes to it.
 FP8_E4M3_MAX = 448.0
-# Floor of a token's activation scale, so that an all-zero token quantizes to zeros, not NaN.
-_MIN_ACTIVATION_SCALE = 2.0 ** -126
+# Floor of a token's largest |activation|, so that an all-zero token quantizes to zeros, not NaN,
+# and 448 over it stays finite in fp32.
+MIN_ACTIVATION_AMAX = 2.0 ** -100
 
 
 @dataclasses.dataclass(frozen=True)
@@ -485,14 +486,16 @@ def dequantized_weight(layer: LayerKV) -> np.ndarray:
 def quantize_per_token(hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(codes, scale)``: float8_e4m3fn[T, hidden] and fp32[T, 1], ``hidden ~ codes * scale``.
 
-    The FP8 tensor-core GEMM's dynamic activation quantization: each token's scale is its
-    largest ``|value|`` over 448 (at least ``2**-126``), and ``hidden / scale`` is
-    rounded once from fp32 to the nearest code.
+    The FP8 tensor-core GEMM's dynamic activation quantization, in fp32: each token's
+    ``inverse = 448 / amax`` (``amax`` its largest ``|value|``, at least ``2**-100``), its codes
+    ``hidden * inverse`` rounded once to the nearest code, its ``scale = 1 / inverse``. A
+    multiplication, not a division by the scale: XLA turns a division by a broadcast value
+    into a multiplication by its reciprocal, which moves exact ties between two codes.
     """
     hidden = np.asarray(hidden, np.float32)
-    amax = np.abs(hidden).max(axis=1, keepdims=True)
-    scale = np.maximum(amax / np.float32(FP8_E4M3_MAX), np.float32(_MIN_ACTIVATION_SCALE)).astype(np.float32)
-    return (hidden / scale).astype(numpy_dtype(FP8_WEIGHT_DTYPE)), scale
+    amax = np.maximum(np.abs(hidden).max(axis=1, keepdims=True), np.float32(MIN_ACTIVATION_AMAX))
+    inverse = (np.float32(FP8_E4M3_MAX) / amax).astype(np.float32)
+    return (hidden * inverse).astype(numpy_dtype(FP8_WEIGHT_DTYPE)), (np.float32(1) / inverse).astype(np.float32)
 
 
 def projection_reference(layers, ctx_hidden, *, fp8_activations: bool = False) -> np.ndarray:
