@@ -135,6 +135,36 @@ END_TO_END_TOLERANCE = Tolerance(
 )
 
 
+# FP8 weights on FP8 tensor cores against dequantize-then-GEMM (the reference, and the path
+# without such cores): the tensor cores take FP8 activations, so each token's hidden states
+# are rounded to e4m3, up to 2**-4 of each value. Summed over hidden with random signs that
+# is an error of about 2**-5 of kv's rms on every kv element (measured at hidden 4096: rms
+# 0.027 of an rms of one, at most 0.19 over 650k elements of K and V), which the RMSNorm
+# carries into K unchanged in relative terms. For values of order one (the random cases,
+# normalized K) 2**-1 holds the measured worst with room; a missing or misplaced scale is
+# off by far more.
+FP8_GEMM_TOLERANCE = Tolerance(
+    ulps=2, atol=2.0 ** -1,
+    reason="the FP8 tensor-core GEMM quantizes each token's activations to e4m3 (up to 2**-4 "
+    "of each), about 2**-5 of kv's rms on every element after the sum over hidden",
+)
+
+
+def fp8_layers(layers, *, per_row: bool = True) -> tuple[LayerKV, ...]:
+    """The layers with their projection weights quantized to float8_e4m3fn: each row's (or
+    each layer's) largest |weight| to 448, fp32 ``weight_scale`` of shape ``(rows, 1)``
+    (or ``(1,)``), as FP8 checkpoints store them; the bias, if any, in bfloat16."""
+    def quantized(layer):
+        weight = as_numpy(layer.kv_proj_weight).astype(np.float32)
+        amax = np.abs(weight).max(axis=1, keepdims=True) if per_row else np.abs(weight).max().reshape(1)
+        scale = (np.maximum(amax, np.float32(2.0 ** -100)) / np.float32(448)).astype(np.float32)
+        codes = (weight / (scale if per_row else scale[0])).astype(numpy_dtype("float8_e4m3fn"))
+        bias = None if layer.kv_proj_bias is None else as_numpy(layer.kv_proj_bias).astype(numpy_dtype("bfloat16"))
+        return dataclasses.replace(layer, kv_proj_weight=codes, weight_scale=scale, kv_proj_bias=bias)
+
+    return tuple(quantized(layer) for layer in layers)
+
+
 def ulp(values: np.ndarray, dtype: str) -> np.ndarray:
     """The spacing of ``dtype`` above each |value| (as fp64); NaN and Inf count as 0."""
     finite = np.nan_to_num(np.asarray(values, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)

@@ -13,9 +13,13 @@ their biases where the checkpoint has them (Qwen2) and ``k_norm.weight`` where i
 one (Qwen3, DFlash; Llama and Qwen2 have none) are read, each from the file that holds
 it (``model.safetensors.index.json`` names it for a sharded checkpoint). The rotary
 table comes from the config (:meth:`RopeConfig.from_hf_config`), a config's
-``attention_value_scale`` becomes the layers' ``v_multiplier``. What cannot be served
-as asked is refused before anything is read: quantized weights, RoPE that differs
-between the layers, a missing tensor or one whose shape disagrees with the config.
+``attention_value_scale`` becomes the layers' ``v_multiplier``. FP8 checkpoints (a
+``quantization_config`` of ``quant_method`` ``'fp8'``, ``'fbgemm_fp8'`` or
+``'compressed-tensors'`` with float8 weights, :func:`check_quantization`) give float8_e4m3fn
+weights with their ``weight_scale`` (or ``weight_scale_inv``), per tensor or per output row.
+What cannot be served as asked is refused before anything is read: other quantization
+formats, block-wise scales and static activation scales (``input_scale``), RoPE that
+differs between the layers, a missing tensor or one whose shape disagrees with the config.
 Nothing is downloaded; importing this module imports neither torch nor jax (nor
 safetensors, which is imported when a checkpoint is read).
 """
@@ -34,12 +38,19 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from interop.core.arrays import numpy_dtype
-from interop.core.materializer import LayerKV, RopeConfig, validate_layers
+from interop.core.materializer import FP8_KV_DTYPE, FP8_WEIGHT_DTYPE, LayerKV, RopeConfig, validate_layers
 from interop.core.spec import KV_DTYPES, _type_name, dtype_name, integer_argument, size_argument
 
 DECODER_FAMILIES = ("llama", "qwen2", "qwen3")
 # safetensors' names of the dtypes a projection may have (those of KV_DTYPES).
 _TENSOR_DTYPES = ("BF16", "F16", "F32")
+_FP8_TENSOR_DTYPE = "F8_E4M3"
+# The quantization_config methods whose weights are float8_e4m3fn with a scale per tensor or row.
+FP8_QUANT_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors")
+# compressed-tensors formats that store float8 weights as they are (not packed).
+_FLOAT_FORMATS = ("float-quantized", "naive-quantized")
+# The names FP8 checkpoints give a weight's dequantizing scale (HF's fine-grained FP8: _inv).
+_SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv")
 
 
 def read_checkpoint_layers(path, *, layers: Sequence[int] | None = None, dtype=None,
@@ -73,12 +84,23 @@ def read_checkpoint_layers(path, *, layers: Sequence[int] | None = None, dtype=N
         shape = _AttentionShape.from_config(config, rope.parameters.head_dim)
     with _Tensors(directory) as tensors:
         read = [_read_layer(tensors, f"{prefix}.{index}.self_attn", shape) for index in indices]
-    draft = tuple(
-        LayerKV(_cast(weight, dtype), _cast(k_norm, dtype), None if k_norm is None else shape.eps,
-                shape.num_kv_heads, shape.head_dim, rope, scale, _cast(bias, dtype))
-        for (weight, bias, k_norm), scale in zip(read, value_scales))
+    draft = tuple(_layer(weight, weight_scale, bias, k_norm, shape, rope, scale, dtype)
+                  for (weight, weight_scale, bias, k_norm), scale in zip(read, value_scales))
     validate_layers(draft)
     return draft
+
+
+def _layer(weight, weight_scale, bias, k_norm, shape: _AttentionShape, rope: RopeConfig, value_scale,
+           dtype: str | None) -> LayerKV:
+    """One draft layer; FP8 weights are kept with their scales (and a bias made the GEMM's
+    bfloat16) unless ``dtype`` asks for another, to which they are dequantized."""
+    if weight_scale is not None and dtype is not None:
+        weight, weight_scale = weight.astype(np.float32) * weight_scale[:, None], None
+    elif weight_scale is not None:
+        dtype = FP8_KV_DTYPE
+    return LayerKV(weight if weight_scale is not None else _cast(weight, dtype), _cast(k_norm, dtype),
+                   None if k_norm is None else shape.eps, shape.num_kv_heads, shape.head_dim, rope, value_scale,
+                   _cast(bias, dtype), weight_scale)
 
 
 def _cast(array: np.ndarray | None, dtype: str | None) -> np.ndarray | None:
@@ -156,11 +178,58 @@ def _read_config(config_file: pathlib.Path) -> Mapping:
                          "expected a JSON object.")
     quantization = config.get("quantization_config")
     if quantization is not None:
-        method = quantization.get("quant_method") if isinstance(quantization, Mapping) else quantization
-        raise ValueError(f"Invalid config['quantization_config'] for fused KV materialization: got quant_method "
-                         f"{method!r}, expected unquantized weights (quantized drafter weights are not supported "
-                         "yet).")
+        check_quantization(quantization)
     return config
+
+
+def check_quantization(quantization) -> None:
+    """Refuse a ``quantization_config`` whose weights are not float8_e4m3fn with a scale per
+    tensor or per output row and dynamic (per-token) activations, naming what it holds."""
+    method = quantization.get("quant_method") if isinstance(quantization, Mapping) else quantization
+    if method not in FP8_QUANT_METHODS:
+        _refuse_quantization(f"quant_method {method!r}", f"unquantized weights, or FP8 weights of a quant_method "
+                             f"in {FP8_QUANT_METHODS} (other quantization formats are not supported)")
+    if method == "fp8":
+        if quantization.get("weight_block_size") is not None:
+            _refuse_quantization(f"weight_block_size {quantization['weight_block_size']!r} (block-wise FP8 scales)",
+                                 "None: FP8 weights with a scale per tensor or per output row")
+        _require_dynamic(f"activation_scheme {quantization.get('activation_scheme', 'dynamic')!r}",
+                         quantization.get("activation_scheme", "dynamic") == "dynamic")
+    if method == "compressed-tensors":
+        _check_compressed_tensors(quantization)
+
+
+def _check_compressed_tensors(quantization: Mapping) -> None:
+    """compressed-tensors: float8 weights (``type`` float, 8 bits) of strategy tensor or channel,
+    stored as they are, with dynamic activations or none, in every config group."""
+    form = quantization.get("format")
+    if form not in _FLOAT_FORMATS:
+        _refuse_quantization(f"compressed-tensors format {form!r}",
+                             f"one of {_FLOAT_FORMATS}, float8 weights stored as they are")
+    groups = quantization.get("config_groups") or {}
+    for name, group in groups.items():
+        weights = group.get("weights") or {}
+        scheme = (weights.get("type"), weights.get("num_bits"), weights.get("strategy"))
+        if scheme[:2] != ("float", 8) or scheme[2] not in ("tensor", "channel"):
+            _refuse_quantization(f"config_groups[{name!r}] weights of type {scheme[0]!r}, {scheme[1]!r} bits, "
+                                 f"strategy {scheme[2]!r}",
+                                 "float weights of 8 bits, strategy 'tensor' or 'channel'")
+        activations = group.get("input_activations")
+        _require_dynamic(f"config_groups[{name!r}] input_activations with dynamic "
+                         f"{None if activations is None else activations.get('dynamic')!r}",
+                         activations is None or activations.get("dynamic") is True)
+
+
+def _require_dynamic(what: str, dynamic: bool) -> None:
+    if not dynamic:
+        _refuse_quantization(f"{what} (static activation scales, input_scale)",
+                             "dynamic activations: FP8 weights run with each token's activations quantized "
+                             "when it is computed")
+
+
+def _refuse_quantization(got: str, expected: str):
+    raise ValueError(f"Invalid config['quantization_config'] for fused KV materialization: got {got}, "
+                     f"expected {expected}.")
 
 
 def _layer_prefix(config: Mapping) -> str:
@@ -245,9 +314,11 @@ def _finite_real(value) -> bool:
 
 
 def _read_layer(tensors: _Tensors, prefix: str, shape: _AttentionShape):
-    """``(kv_proj_weight, kv_proj_bias or None, k_norm_weight or None)`` of one layer."""
+    """``(kv_proj_weight, weight_scale or None, kv_proj_bias or None, k_norm_weight or None)`` of
+    one layer; ``weight_scale`` (fp32, one per row) where the projections are FP8."""
     rows = f"({shape.kv_size}, {shape.hidden}) = (num_key_value_heads*head_dim, hidden_size)"
     k, v = (tensors.read(f"{prefix}.{name}_proj.weight", (shape.kv_size, shape.hidden), rows) for name in "kv")
+    weight_scale = _read_weight_scales(tensors, prefix, shape.kv_size)
     bias = None
     if tensors.has(f"{prefix}.k_proj.bias") or tensors.has(f"{prefix}.v_proj.bias"):
         biases = (tensors.read(f"{prefix}.{name}_proj.bias", (shape.kv_size,),
@@ -260,7 +331,36 @@ def _read_layer(tensors: _Tensors, prefix: str, shape: _AttentionShape):
             raise ValueError(f"Invalid config['rms_norm_eps'] in {tensors.directory / 'config.json'} for fused KV "
                              f"materialization: got no rms_norm_eps, expected the K-norm's epsilon (the checkpoint "
                              f"has {prefix}.k_norm.weight).")
-    return np.concatenate([k, v]), bias, k_norm
+    return np.concatenate([k, v]), weight_scale, bias, k_norm
+
+
+def _read_weight_scales(tensors: _Tensors, prefix: str, rows: int) -> np.ndarray | None:
+    """fp32[2*rows]: the scales of FP8 K and V projections, one per row (a per-tensor scale
+    repeated); None for unquantized ones. Both are FP8 or neither: they are one GEMM's weight."""
+    k_dtype, v_dtype = (tensors.stored_dtype(f"{prefix}.{name}_proj.weight") for name in "kv")
+    if _FP8_TENSOR_DTYPE not in (k_dtype, v_dtype):
+        return None
+    if k_dtype != v_dtype:
+        raise ValueError(f"Invalid tensor '{prefix}.v_proj.weight' in {tensors.where[f'{prefix}.v_proj.weight']} for "
+                         f"fused KV materialization: got dtype {v_dtype}, expected {k_dtype} as "
+                         f"'{prefix}.k_proj.weight' (K and V are one GEMM's weight).")
+    scales = []
+    for name in "kv":
+        weight = f"{prefix}.{name}_proj.weight"
+        static = f"{prefix}.{name}_proj.input_scale"
+        if tensors.has(static):
+            raise ValueError(f"Invalid tensor '{static}' in {tensors.where[static]} for fused KV materialization: "
+                             "got a static activation scale, expected none (FP8 weights run with each token's "
+                             "activations quantized when it is computed).")
+        keys = [f"{prefix}.{name}_proj.{suffix}" for suffix in _SCALE_SUFFIXES]
+        key = next((key for key in keys if tensors.has(key)), None)
+        if key is None:
+            raise ValueError(f"Invalid tensor '{keys[0]}' in {tensors.missing_in} for fused KV materialization: got "
+                             f"no such tensor (nor '{keys[1]}'), expected the scale of the float8_e4m3fn "
+                             f"'{weight}'.")
+        scale = tensors.read_scale(key, rows)
+        scales.append(np.broadcast_to(scale.reshape(-1), (rows,)))
+    return np.concatenate(scales).astype(np.float32)
 
 
 class _Tensors:
@@ -311,23 +411,50 @@ class _Tensors:
 
     def read(self, key: str, shape: tuple[int, ...], expected: str) -> np.ndarray:
         """The tensor ``key``, refused unless it exists, is of a float dtype a projection takes and of
-        ``shape`` (``expected`` says where that comes from), all checked before it is read."""
+        ``shape`` (``expected`` says where that comes from), all checked before it is read. A
+        projection weight (``*_proj.weight``) may be F8_E4M3, its scale read apart."""
         if key not in self.where:
             raise ValueError(f"Invalid tensor '{key}' in {self.missing_in} for fused KV materialization: got no "
                              f"such tensor, expected one of shape {expected}.")
-        path = self.where[key]
-        file = self._file(path)
-        tensor = file.get_slice(key)
-        stored = tensor.get_dtype()
-        if stored not in _TENSOR_DTYPES:
-            quantized = " (FP8 drafter weights are not supported yet)" if stored.startswith("F8") else ""
-            raise ValueError(f"Invalid tensor '{key}' in {path} for fused KV materialization: got dtype {stored}, "
-                             f"expected one of {_TENSOR_DTYPES}{quantized}.")
-        got = tuple(int(d) for d in tensor.get_shape())
+        dtypes = _TENSOR_DTYPES + (_FP8_TENSOR_DTYPE,) if key.endswith("_proj.weight") else _TENSOR_DTYPES
+        path, stored, got = self._header(key, dtypes)
         if got != shape:
             raise ValueError(f"Invalid tensor '{key}' in {path} for fused KV materialization: got shape {got}, "
                              f"expected {expected} from config.json.")
-        return file.get_tensor(key)
+        if stored == _FP8_TENSOR_DTYPE:
+            return _raw_tensor(path, key).view(numpy_dtype(FP8_WEIGHT_DTYPE)).reshape(shape)
+        return self._file(path).get_tensor(key)
+
+    def read_scale(self, key: str, rows: int) -> np.ndarray:
+        """fp32: the scale ``key`` of an FP8 weight of ``rows`` rows, per tensor or per row."""
+        path, _, got = self._header(key, _TENSOR_DTYPES)
+        if got not in ((), (1,), (rows,), (rows, 1)):
+            raise ValueError(f"Invalid tensor '{key}' in {path} for fused KV materialization: got shape {got}, "
+                             f"expected () or (1,) (per tensor), or {(rows,)} or {(rows, 1)} (per output row).")
+        return self._file(path).get_tensor(key).astype(np.float32)
+
+    def stored_dtype(self, key: str) -> str:
+        """safetensors' name of the dtype of tensor ``key`` (read already)."""
+        return self._file(self.where[key]).get_slice(key).get_dtype()
+
+    def _header(self, key: str, dtypes: tuple[str, ...]) -> tuple[pathlib.Path, str, tuple[int, ...]]:
+        """``(file, dtype, shape)`` of the tensor ``key``, refused unless of one of ``dtypes``."""
+        path = self.where[key]
+        tensor = self._file(path).get_slice(key)
+        stored = tensor.get_dtype()
+        if stored not in dtypes:
+            raise ValueError(f"Invalid tensor '{key}' in {path} for fused KV materialization: got dtype {stored}, "
+                             f"expected one of {dtypes}.")
+        return path, stored, tuple(int(d) for d in tensor.get_shape())
+
+
+def _raw_tensor(path: pathlib.Path, key: str) -> np.ndarray:
+    """uint8: the bytes of tensor ``key`` of a safetensors file (its NumPy reader has no fp8)."""
+    with open(path, "rb") as file:
+        header_size = int.from_bytes(file.read(8), "little")
+        begin, end = json.loads(file.read(header_size))[key]["data_offsets"]
+        file.seek(8 + header_size + begin)
+        return np.frombuffer(bytearray(file.read(end - begin)), np.uint8)
 
 
 def _read_weight_map(index: pathlib.Path) -> Mapping:
