@@ -26,8 +26,9 @@ from interop.core.checkpoint import read_checkpoint_layers  # noqa: E402
 from interop.core.reference import rope_cos_sin_cache  # noqa: E402
 from interop.core.rope import rope_frequencies  # noqa: E402
 from interop.core.spec import device_name  # noqa: E402
-from interop.testing import (END_TO_END_TOLERANCE, TOLERANCES, MaterializerCase, assert_bit_exact,  # noqa: E402
-                             assert_close, ulp)
+from interop.core.materializer import LayerKV, RopeConfig  # noqa: E402
+from interop.testing import (END_TO_END_TOLERANCE, FP8_GEMM_TOLERANCE, TOLERANCES, MaterializerCase,  # noqa: E402
+                             assert_bit_exact, assert_close, ulp)
 
 TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=2,
             intermediate_size=32, vocab_size=32, max_position_embeddings=4096)
@@ -91,6 +92,20 @@ def _dflash_checkpoint(directory: pathlib.Path, *, seed: int = 0, tensors: dict 
     config = {key: value for key, value in config.items() if key not in without}
     (directory / "config.json").write_text(json.dumps(config))
     return {key: value.astype(np.float32) for key, value in values.items()}
+
+
+FP8 = numpy_dtype("float8_e4m3fn")
+FP8_LAYER_0 = {**{f"layers.0.self_attn.{name}_proj.weight": np.ones((32, 64), FP8) for name in "kv"},
+               **{f"layers.0.self_attn.{name}_proj.weight_scale": np.ones((), np.float32) for name in "kv"}}
+
+
+def compressed_tensors(*, type="float", strategy="channel", activations=None):
+    """A compressed-tensors quantization_config of one group, as llm-compressor writes it."""
+    activations = activations or dict(num_bits=8, type="float", strategy="token", dynamic=True)
+    return dict(quant_method="compressed-tensors", format="float-quantized", ignore=["lm_head"],
+                config_groups=dict(group_0=dict(targets=["Linear"], input_activations=activations,
+                                                weights=dict(num_bits=8, type=type, strategy=strategy, dynamic=False,
+                                                             symmetric=True))))
 
 
 def _inputs(seed: int = 0):
@@ -238,6 +253,67 @@ def test_a_dflash_checkpoint_gives_transformers_k_and_scaled_v(backend, tmp_path
     assert_close(v, v_reference, name="v", tolerance=END_TO_END_TOLERANCE)
 
 
+# name: (quantization_config, the scale tensors' suffix, their shape: None per row, else per tensor).
+FP8_CHECKPOINTS = {
+    "compressed-tensors-channel": (compressed_tensors(), "weight_scale", None),
+    "compressed-tensors-tensor": (compressed_tensors(strategy="tensor", activations=None), "weight_scale", (1,)),
+    "fp8-per-tensor": (dict(quant_method="fp8", activation_scheme="dynamic"), "weight_scale", ()),
+    "fp8-weight-scale-inv": (dict(quant_method="fp8", activation_scheme="dynamic", weight_block_size=None),
+                             "weight_scale_inv", ()),
+    "fbgemm-fp8": (dict(quant_method="fbgemm_fp8", activation_scale_ub=1200.0), "weight_scale", None),
+}
+
+
+def _fp8_dflash_checkpoint(directory: pathlib.Path, name: str):
+    """A DFlash draft whose K/V projections are float8_e4m3fn with the scales of checkpoint kind
+    ``name``; the draft's layers as the test wrote them (fp8 codes, fp32 scales per row)."""
+    quantization, suffix, scale_shape = FP8_CHECKPOINTS[name]
+    rng = np.random.default_rng(7)
+    tensors, layers = {}, []
+    for index in range(2):
+        codes, scales = [], []
+        for projection in "kv":
+            weight = rng.standard_normal((32, 64)).astype(np.float32) / 8
+            amax = np.abs(weight).max(axis=1, keepdims=True) if scale_shape is None else np.abs(weight).max()
+            scale = np.asarray(amax / 448, np.float32).reshape((32, 1) if scale_shape is None else scale_shape)
+            code = (weight / scale.reshape(-1, 1)).astype(FP8)
+            prefix = f"layers.{index}.self_attn.{projection}_proj"
+            tensors.update({f"{prefix}.weight": code, f"{prefix}.{suffix}": scale})
+            codes.append(code)
+            scales.append(np.broadcast_to(scale.reshape(-1), (32,)))
+        layers.append((np.concatenate(codes), np.concatenate(scales)))
+    written = _dflash_checkpoint(directory, tensors=tensors, quantization_config=quantization)
+    rope = RopeConfig(16, MAX_POSITION, 1e6)
+    return tuple(LayerKV(weight, written[f"layers.{index}.self_attn.k_norm.weight"], 1e-6, 2, 16, rope, value_scale,
+                         weight_scale=scale)
+                 for index, ((weight, scale), value_scale) in enumerate(zip(layers, (0.61, 0.71))))
+
+
+@pytest.mark.parametrize("name", FP8_CHECKPOINTS)
+def test_an_fp8_checkpoint_gives_the_dequantize_then_gemm_reference(backend, name, tmp_path):
+    layers = _fp8_dflash_checkpoint(tmp_path, name)
+    hidden, positions = _inputs(seed=2)
+    materializer = backend.kernel.FusedKVMaterializer.from_pretrained(tmp_path, device=backend.device,
+                                                                      max_position=MAX_POSITION)
+    assert (materializer.config.weight_dtype, materializer.config.kv_dtype) == ("float8_e4m3fn", "bfloat16")
+    k, v = materializer.materialize(backend.put(hidden), backend.put(positions))
+    # FP8 tensor cores (a GPU's) quantize the activations; elsewhere it is dequantize-then-GEMM.
+    on_gpu = device_name(materializer.kv_proj_weight).startswith("cuda")
+    tolerance = FP8_GEMM_TOLERANCE if on_gpu else END_TO_END_TOLERANCE
+    k_expected, v_expected = MaterializerCase(layers, hidden, positions).end_to_end_reference()
+    assert_close(k, k_expected, tolerance=tolerance)
+    assert_close(v, v_expected, name="v", tolerance=tolerance)
+
+
+def test_an_fp8_checkpoint_read_as_another_dtype_is_dequantized(tmp_path):
+    layers = _fp8_dflash_checkpoint(tmp_path, "compressed-tensors-channel")
+    read = read_checkpoint_layers(tmp_path, dtype="float32")
+    for expected, layer in zip(layers, read):
+        assert layer.weight_scale is None
+        assert_bit_exact(layer.kv_proj_weight, expected.kv_proj_weight.astype(np.float32) * expected.weight_scale[:, None],
+                         name="dequantized weight")
+
+
 def test_only_the_k_v_projections_biases_and_k_norms_are_read(tmp_path, monkeypatch):
     import safetensors
 
@@ -308,14 +384,59 @@ REFUSED = {
         dict(tensors={"layers.0.self_attn.k_norm.weight": np.ones(32, BF16)}), {},
         "Invalid tensor 'layers.0.self_attn.k_norm.weight' in {file} for fused KV materialization: got shape "
         "(32,), expected (16,) = (head_dim,) from config.json."),
-    "fp8-weights": (dict(tensors={"layers.0.self_attn.k_proj.weight": np.zeros((32, 64), numpy_dtype(
-        "float8_e4m3fn"))}), {},
-        "Invalid tensor 'layers.0.self_attn.k_proj.weight' in {file} for fused KV materialization: got dtype "
-        "F8_E4M3, expected one of ('BF16', 'F16', 'F32') (FP8 drafter weights are not supported yet)."),
-    "quantization-config": (dict(quantization_config=dict(quant_method="fp8", weight_block_size=[128, 128])), {},
-                            "Invalid config['quantization_config'] in {config} for fused KV materialization: got "
-                            "quant_method 'fp8', expected unquantized weights (quantized drafter weights are not "
-                            "supported yet)."),
+    "fp8-k-beside-bf16-v": (dict(tensors={"layers.0.self_attn.k_proj.weight": np.zeros((32, 64), FP8)}), {},
+                            "Invalid tensor 'layers.0.self_attn.v_proj.weight' in {file} for fused KV "
+                            "materialization: got dtype BF16, expected F8_E4M3 as 'layers.0.self_attn.k_proj.weight' "
+                            "(K and V are one GEMM's weight)."),
+    "fp8-without-scale": (dict(tensors={f"layers.0.self_attn.{name}_proj.weight": np.zeros((32, 64), FP8)
+                                        for name in "kv"}), {},
+                          "Invalid tensor 'layers.0.self_attn.k_proj.weight_scale' in {file} for fused KV "
+                          "materialization: got no such tensor (nor 'layers.0.self_attn.k_proj.weight_scale_inv'), "
+                          "expected the scale of the float8_e4m3fn 'layers.0.self_attn.k_proj.weight'."),
+    "fp8-scale-of-another-shape": (
+        dict(tensors={**FP8_LAYER_0, "layers.0.self_attn.v_proj.weight_scale": np.ones((2, 64), np.float32)}), {},
+        "Invalid tensor 'layers.0.self_attn.v_proj.weight_scale' in {file} for fused KV materialization: got shape "
+        "(2, 64), expected () or (1,) (per tensor), or (32,) or (32, 1) (per output row)."),
+    "fp8-static-input-scale": (
+        dict(tensors={**FP8_LAYER_0, "layers.0.self_attn.k_proj.input_scale": np.ones((), np.float32)}), {},
+        "Invalid tensor 'layers.0.self_attn.k_proj.input_scale' in {file} for fused KV materialization: got a static "
+        "activation scale, expected none (FP8 weights run with each token's activations quantized when it is "
+        "computed)."),
+    "integer-weights": (dict(tensors={"layers.0.self_attn.k_proj.weight": np.zeros((32, 64), np.int8)}), {},
+                        "Invalid tensor 'layers.0.self_attn.k_proj.weight' in {file} for fused KV materialization: "
+                        "got dtype I8, expected one of ('BF16', 'F16', 'F32', 'F8_E4M3')."),
+    "fp8-block-wise-scales": (dict(quantization_config=dict(quant_method="fp8", weight_block_size=[128, 128])), {},
+                              "Invalid config['quantization_config'] in {config} for fused KV materialization: got "
+                              "weight_block_size [128, 128] (block-wise FP8 scales), expected None: FP8 weights with "
+                              "a scale per tensor or per output row."),
+    "fp8-static-activations": (dict(quantization_config=dict(quant_method="fp8", activation_scheme="static")), {},
+                               "Invalid config['quantization_config'] in {config} for fused KV materialization: got "
+                               "activation_scheme 'static' (static activation scales, input_scale), expected dynamic "
+                               "activations: FP8 weights run with each token's activations quantized when it is "
+                               "computed."),
+    "gptq": (dict(quantization_config=dict(quant_method="gptq", bits=4, group_size=128)), {},
+             "Invalid config['quantization_config'] in {config} for fused KV materialization: got quant_method 'gptq', "
+             "expected unquantized weights, or FP8 weights of a quant_method in ('fp8', 'fbgemm_fp8', "
+             "'compressed-tensors') (other quantization formats are not supported)."),
+    "compressed-tensors-nvfp4": (dict(quantization_config=dict(quant_method="compressed-tensors",
+                                                               format="nvfp4-pack-quantized")), {},
+                                 "Invalid config['quantization_config'] in {config} for fused KV materialization: got "
+                                 "compressed-tensors format 'nvfp4-pack-quantized', expected one of ('float-quantized', "
+                                 "'naive-quantized'), float8 weights stored as they are."),
+    "compressed-tensors-int8": (dict(quantization_config=compressed_tensors(type="int")), {},
+                                "Invalid config['quantization_config'] in {config} for fused KV materialization: got "
+                                "config_groups['group_0'] weights of type 'int', 8 bits, strategy 'channel', expected "
+                                "float weights of 8 bits, strategy 'tensor' or 'channel'."),
+    "compressed-tensors-block": (dict(quantization_config=compressed_tensors(strategy="block")), {},
+                                 "Invalid config['quantization_config'] in {config} for fused KV materialization: got "
+                                 "config_groups['group_0'] weights of type 'float', 8 bits, strategy 'block', "
+                                 "expected float weights of 8 bits, strategy 'tensor' or 'channel'."),
+    "compressed-tensors-static-activations": (
+        dict(quantization_config=compressed_tensors(activations=dict(num_bits=8, type="float", strategy="tensor",
+                                                                     dynamic=False))), {},
+        "Invalid config['quantization_config'] in {config} for fused KV materialization: got config_groups['group_0'] "
+        "input_activations with dynamic False (static activation scales, input_scale), expected dynamic activations: "
+        "FP8 weights run with each token's activations quantized when it is computed."),
     "dynamic-rope": (dict(rope_scaling=dict(rope_type="dynamic", factor=2.0)), {},
                      "Invalid rope_type in {config} for fused KV materialization: got 'dynamic', expected one of "
                      "('default', 'linear', 'yarn', 'llama3', 'longrope') (dynamic NTK scaling depends on the "
