@@ -288,9 +288,10 @@ def validate_layers(layers: Sequence[LayerKV], cos_sin_cache=None, *,
 
 
 def _weight_dtype(first: LayerKV) -> str:
-    """Layer 0's weight dtype, refused unless the GEMM takes it (each other layer must match it)."""
+    """Layer 0's weight dtype (each other layer must match it), refused here if it is a quantized
+    format the GEMM does not take; another float dtype is the op's kv dtype check's."""
     name = dtype_name(first.kv_proj_weight.dtype)
-    if name not in WEIGHT_DTYPES:
+    if name not in WEIGHT_DTYPES and name not in _FLOAT_DTYPES:
         raise ValueError(
             f"Invalid layers[0].kv_proj_weight dtype for fused KV materialization: got {name}, expected one of "
             f"{WEIGHT_DTYPES} ({name} weights are not supported: quantized weights must be {FP8_WEIGHT_DTYPE} "
