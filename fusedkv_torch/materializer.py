@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 # The op in its two steps, so that a bad call is rejected before the GEMM launches.
+from fusedkv_torch.modules import module_layers
 from fusedkv_torch.ops import prepare_cache_call, prepare_call
 from interop.core.checkpoint import read_checkpoint_layers
 from interop.core.materializer import (FP8_E4M3_MAX, MIN_ACTIVATION_AMAX, LayerKV, validate_layers,
@@ -196,6 +197,23 @@ class FusedKVMaterializer:
                                                                 "weight_scale")})
                     for layer in host_layers])
 
+    @classmethod
+    def from_modules(cls, layers: Sequence, rotary_emb=None) -> FusedKVMaterializer:
+        """The materializer of a serving stack's attention modules, one per draft layer.
+
+        Read by the attributes the modules expose (:func:`fusedkv_torch.modules.module_layers`):
+        a fused ``qkv_proj`` with ``q_size`` and ``kv_size`` (vLLM, sglang) or ``k_proj`` and
+        ``v_proj`` (transformers), ``k_norm`` where there is one, ``head_dim``. ``rotary_emb``
+        (None: layer 0's ``rotary_emb``) gives the table: its own ``cos_sin_cache`` with
+        ``rotary_dim`` and ``is_neox_style``, or a transformers rotary embedding's config. The
+        materializer runs where the weights are; a module it cannot read is refused with a
+        ``ValueError`` naming the attribute and the layer.
+        """
+        draft, cos_sin_cache = module_layers(layers, rotary_emb)
+        if cos_sin_cache is not None:
+            cos_sin_cache = cos_sin_cache.to(draft[0].kv_proj_weight.device)
+        return cls(draft, cos_sin_cache=cos_sin_cache)
+
     def reserve(self, max_tokens: int, *, staging: bool = False) -> None:
         """Size the GEMM workspace for ``max_tokens``; with ``staging``, also the output
         buffers :meth:`materialize_layers` hands to its callback. Call before capture.
@@ -365,5 +383,5 @@ def _fp8_mm_into(out: torch.Tensor, hidden: torch.Tensor, weight_t: torch.Tensor
     # torch.div, not 448 / tensor: that is the tensor's reciprocal times 448, rounded twice.
     inverse = torch.div(FP8_E4M3_MAX, hidden.abs().amax(dim=1, keepdim=True).clamp(min=MIN_ACTIVATION_AMAX))
     codes = (hidden * inverse).to(torch.float8_e4m3fn)
-    torch._scaled_mm(codes, weight_t, inverse.reciprocal(), weight_scale, bias=bias, out_dtype=out.dtype, use_fast_accum=False,
-                     out=out)
+    torch._scaled_mm(codes, weight_t, inverse.reciprocal(), weight_scale, bias=bias, out_dtype=out.dtype,
+                     use_fast_accum=False, out=out)

@@ -310,8 +310,8 @@ def test_an_fp8_checkpoint_read_as_another_dtype_is_dequantized(tmp_path):
     read = read_checkpoint_layers(tmp_path, dtype="float32")
     for expected, layer in zip(layers, read):
         assert layer.weight_scale is None
-        assert_bit_exact(layer.kv_proj_weight, expected.kv_proj_weight.astype(np.float32) * expected.weight_scale[:, None],
-                         name="dequantized weight")
+        dequantized = expected.kv_proj_weight.astype(np.float32) * expected.weight_scale[:, None]
+        assert_bit_exact(layer.kv_proj_weight, dequantized, name="dequantized weight")
 
 
 def test_only_the_k_v_projections_biases_and_k_norms_are_read(tmp_path, monkeypatch):
@@ -421,8 +421,8 @@ REFUSED = {
     "compressed-tensors-nvfp4": (dict(quantization_config=dict(quant_method="compressed-tensors",
                                                                format="nvfp4-pack-quantized")), {},
                                  "Invalid config['quantization_config'] in {config} for fused KV materialization: got "
-                                 "compressed-tensors format 'nvfp4-pack-quantized', expected one of ('float-quantized', "
-                                 "'naive-quantized'), float8 weights stored as they are."),
+                                 "compressed-tensors format 'nvfp4-pack-quantized', expected one of "
+                                 "('float-quantized', 'naive-quantized'), float8 weights stored as they are."),
     "compressed-tensors-int8": (dict(quantization_config=compressed_tensors(type="int")), {},
                                 "Invalid config['quantization_config'] in {config} for fused KV materialization: got "
                                 "config_groups['group_0'] weights of type 'int', 8 bits, strategy 'channel', expected "
