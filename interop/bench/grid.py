@@ -155,7 +155,7 @@ def bar_lines(found: list[Cell]) -> list[tuple[str, ...]]:
     return [(str(bar.number), bar.text, half, *judge(bar, taken)) for bar in BARS for half, taken in _halves(found)]
 
 
-def _fraction_rows(found: list[Cell]) -> list[str]:
+def fraction_rows(found: list[Cell]) -> list[str]:
     """The kernel and sweep rows of the grid, in order of first appearance."""
     names: dict[str, None] = {}
     for cell in found:
@@ -168,7 +168,7 @@ def summary_lines(found: list[Cell]) -> list[tuple[str, ...]]:
     lines = []
     for bucket, takes in BUCKETS.items():
         for half, taken in _halves([cell for cell in found if takes(cell.tokens)]):
-            for name in _fraction_rows(taken):
+            for name in fraction_rows(taken):
                 values = [(cell.fraction(name), cell) for cell in taken if name in cell.rows]
                 measured = [(value, cell) for value, cell in values if value is not None]
                 if not measured:
@@ -205,7 +205,7 @@ def configuration_lines(found: list[Cell]) -> list[tuple[str, ...]]:
     timed: dict[str, None] = {}
     for cell in found:
         timed.update((name, None) for name, m in cell.rows.items() if m.kind in BANDWIDTH_KINDS)
-    fractions, ratios = _fraction_rows(found), _ratio_columns(found)
+    fractions, ratios = fraction_rows(found), _ratio_columns(found)
     header = ("configuration", "half", "tokens", "MB", "copy GB/s", *(f"{name} us" for name in timed),
               *(f"{name} of copy" for name in fractions), *(header for header, _, _ in ratios))
     return [header, *(_cell_line(cell, list(timed), fractions, ratios) for cell in found)]
