@@ -164,6 +164,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--markdown", default=None, metavar="PATH",
                         help="also write the tables as markdown to PATH, under the command line, devices, "
                              "packages and ceiling that produced them")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the rows the options would run, shape by shape, and the sizes the grid "
+                             "leaves out, then exit; needs no GPU")
     parser.add_argument("--quick", action="store_true",
                         help="four token counts and fewer samples per row (a few minutes for one shape)")
     parser.add_argument("--max-calls-per-jit", type=_positive_int, default=None, metavar="N",
@@ -296,12 +299,34 @@ def _grid_meta(shapes: list[BenchShape], tokens: list[int], dtype: str) -> dict:
     return dict(seed=GRID_SEED, configurations=[shape.name for shape in shapes], skipped=skipped)
 
 
+def dry_run(args: argparse.Namespace) -> int:
+    """``--dry-run``: the rows each shape would run, as though torch and jax both saw a GPU."""
+    from interop.bench.runner import plan
+
+    extra = sweep.implementations(args.sweep or ("d",), args.forms) if args.sweep or args.forms else []
+    implementations, _ = select(words_to_run(args), {"torch": "", "jax": ""}, extra=extra)
+    shapes, tokens = bench_shapes(args), token_counts(args)
+    left_out = {(shape.name, total_ctx) for shape, total_ctx in over_memory(shapes, tokens, args.dtype)}
+    tasks = [task for task in plan(shapes, tokens, implementations) if (task[0].name, task[1]) not in left_out]
+    print(f"fusedkv bench {'--shape grid ' if args.shape == 'grid' else ''}would run {len(tasks)} rows "
+          f"({', '.join(i.name for i in implementations)}) at tokens {','.join(map(str, tokens))}:")
+    for shape in shapes:
+        sizes = sorted({total_ctx for task_shape, total_ctx, _ in tasks if task_shape is shape})
+        print(f"  {shape.name} ({shape.description}, {shape.dtype or args.dtype}): "
+              f"{sum(task[0] is shape for task in tasks)} rows at tokens {','.join(map(str, sizes)) or 'none'}")
+    for line in _grid_meta(shapes, tokens, args.dtype)["skipped"]:
+        print(f"skipped {line}")
+    return 0
+
+
 def run_bench_command(args: argparse.Namespace) -> int:
     """Run the bench with the options of :func:`add_bench_arguments`; returns the exit status."""
     refusal = grid_refusal(args)
     if refusal is not None:
         print(f"fusedkv bench: {refusal}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        return dry_run(args)
     found, reasons = gpu_frameworks()
     if not found:
         print(REFUSAL.format(reasons="; ".join(reasons)), file=sys.stderr)

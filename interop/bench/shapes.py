@@ -115,8 +115,8 @@ def _grid_shape(index: int, draw: dict) -> BenchShape:
     rotary = head_dim // ROTARY_FRACTIONS[draw["rotary"]]
     style, dtype = draw["rope_style"], draw["dtype"]
     name = f"g{index:02d}-hd{head_dim}-h{heads}-l{layers}-r{rotary}-{style}-{DTYPE_TAGS[dtype]}"
-    description = (f"{layers} layers, {heads} KV heads, head_dim {head_dim}, rotary {rotary}, {style}, "
-                   f"{GRID_HALVES[index % 2]} half")
+    description = (f"{layers} layer{'s' * (layers > 1)}, {heads} KV head{'s' * (heads > 1)}, head_dim {head_dim}, "
+                   f"rotary {rotary}, {style}, {GRID_HALVES[index % 2]} half")
     return BenchShape(name, FusedKVConfig(heads, head_dim, rotary, style), layers, description, dtype=dtype,
                       half=GRID_HALVES[index % 2])
 
