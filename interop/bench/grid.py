@@ -196,7 +196,7 @@ def _cell_line(cell: Cell, timed: list[str], fractions: list[str], ratios: list[
     copy = "-" if cell.copy is None else f"{cell.copy[0]:.0f}" + ("" if cell.copy[1] else "*")
     fraction_cells = ("-" if cell.fraction(name) is None else f"{cell.fraction(name):.0%}" for name in fractions)
     ratio_cells = ("-" if cell.ratio(row, over) is None else f"{cell.ratio(row, over):.2f}x" for _, row, over in ratios)
-    return (cell.shape, cell.half, str(cell.tokens), "-" if sized is None else f"{sized.bytes_moved / 1e6:.3g}", copy,
+    return (cell.shape, cell.half, str(cell.tokens), "-" if sized is None else f"{sized.bytes_moved / 1e6:.4g}", copy,
             *(_microseconds(cell.rows.get(name)) for name in timed), *fraction_cells, *ratio_cells)
 
 
