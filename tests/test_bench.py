@@ -1167,3 +1167,41 @@ def test_the_grid_summary_gives_the_worst_and_median_of_copy_per_bucket_and_half
     assert table[fit, "16"][3:] == ("1", "1000", "1.00", "1.10", "1.21", "91%", "83%", "1.10x", "1.10x")
     # Read against the faster copy of fewer bytes, marked; the failed row has no time.
     assert table[fit_large, "32768"][3:] == ("1000", "4000*", "400.00", "333.33", "-", "75%", "-", "0.83x", "-")
+
+
+def test_where_jax_alone_sees_a_device_a_grid_run_writes_the_grids_tables_and_heatmap(tmp_path, capsys,
+                                                                                     monkeypatch):
+    pytest.importorskip("jax")
+    pytest.importorskip("tqdm")
+    pytest.importorskip("matplotlib")
+    from interop.bench import command
+    from interop.bench.shapes import GRID
+
+    monkeypatch.setattr(command, "gpu_frameworks", lambda: ({"jax": "stand-in"}, ["torch sees no CUDA device"]))
+    shapes = list(GRID.values())
+    # The smallest configuration of each half: the Pallas kernel runs interpreted here.
+    numbers = [min((i for i, s in enumerate(shapes) if s.half == half), key=lambda i: shapes[i].op_bytes(2, "float32"))
+               for half in ("fit", "held-out")]
+    names = [shapes[i].name for i in sorted(numbers)]
+    out, markdown = tmp_path / "out", tmp_path / "grid.md"
+    argv = ["--shape", "grid", "--configs", ",".join(map(str, numbers)), "--tokens", "2", "--only", "pallas",
+            "--max-calls-per-jit", "8", "--out", str(out), "--markdown", str(markdown)]
+    assert run_bench_command(_parser().parse_args(argv)) == 0
+    printed = capsys.readouterr().out
+    assert "2 grid configurations, each in its own dtype, tokens 2" in printed
+    assert "== The shape grid: the issue's bars ==" in printed and "== g" not in printed
+    table = printed[printed.index("== The shape grid: each configuration against copy =="):]
+    assert [cells[:3] for cells in _table_rows(table.split("\n", 1)[1].split("\ncopy GB/s:")[0])] == [
+        [name, GRID[name].half, "2"] for name in names]
+    with open(out / "bench.csv", newline="") as file:
+        records = list(csv.DictReader(file))
+    assert sorted((r["shape"], r["dtype"], r["implementation"]) for r in records) == sorted(
+        (name, GRID[name].dtype, implementation) for name in names for implementation in ("pallas", "xla-copy"))
+    assert all(r["check"] == "ok" for r in records)
+    assert json.loads((out / "bench.json").read_text())["meta"]["grid"] == dict(
+        seed=27, configurations=names, skipped=[])
+    assert {p.name for p in out.iterdir()} == {"bench.csv", "bench.json", "grid-pallas.png"}
+    text = markdown.read_text()
+    assert "## The shape grid: the issue's bars" in text and "## The shape grid: each configuration against copy" in text
+    assert "| 2 | Pallas in jit at 90% of copy or more | both | - | not measured |" in text
+    assert not any(line.startswith("## g") for line in text.splitlines())

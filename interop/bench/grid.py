@@ -127,7 +127,8 @@ def _at(cell: Cell) -> str:
 
 def judge(bar: Bar, taken: list[Cell]) -> tuple[str, str]:
     """``(the worst value and where, the verdict)`` of ``bar`` over the cells ``taken``."""
-    judged = [cell for cell in taken if BUCKETS[bar.bucket](cell.tokens) and bar.implementation in cell.rows]
+    judged = [cell for cell in taken if BUCKETS[bar.bucket](cell.tokens) and bar.implementation in cell.rows
+              and (not bar.over or bar.over in cell.rows)]
     if not judged:
         return "-", "not measured"
     values = [(bar.value(cell), cell) for cell in judged]
@@ -193,7 +194,7 @@ def _ratio_columns(found: list[Cell]) -> list[tuple[str, str, str]]:
 
 def _cell_line(cell: Cell, timed: list[str], fractions: list[str], ratios: list[tuple[str, str, str]]) -> tuple:
     sized = next((m for m in cell.rows.values() if m.bytes_moved), None)
-    copy = "-" if cell.copy is None else f"{cell.copy[0]:.0f}" + ("" if cell.copy[1] else "*")
+    copy = "-" if cell.copy is None else f"{cell.copy[0]:.4g}" + ("" if cell.copy[1] else "*")
     fraction_cells = ("-" if cell.fraction(name) is None else f"{cell.fraction(name):.0%}" for name in fractions)
     ratio_cells = ("-" if cell.ratio(row, over) is None else f"{cell.ratio(row, over):.2f}x" for _, row, over in ratios)
     return (cell.shape, cell.half, str(cell.tokens), "-" if sized is None else f"{sized.bytes_moved / 1e6:.4g}", copy,
