@@ -1206,3 +1206,41 @@ def test_where_jax_alone_sees_a_device_a_grid_run_writes_the_grids_tables_and_he
     assert "## The shape grid: each configuration against copy" in text
     assert "| 2 | Pallas in jit at 90% of copy or more | both | - | not measured |" in text
     assert not any(line.startswith("## g") for line in text.splitlines())
+
+
+def test_from_json_reports_the_rows_of_several_runs_as_one_grid(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    rows, (fit, held_out, fit_large) = _grid_rows()
+    base = dict(devices={"torch": "Test GPU", "jax": "Test GPU"}, versions={"python": "3.12.0"}, dtype="bfloat16")
+    parts = []
+    for index, names in enumerate(((fit, fit_large), (held_out,))):
+        meta = dict(base, command=f"fusedkv bench --shape grid --configs {index}", shapes=list(names),
+                    copy_ceiling=[4100.0 + index, f"a 1 GiB copy, part {index}"],
+                    grid=dict(seed=27, configurations=list(names), skipped=[f"{names[0]} at 65536 tokens"]))
+        write_data(annotate([m for m in rows if m.shape in names]), tmp_path / f"part{index}", meta)
+        parts.append(str(tmp_path / f"part{index}" / "bench.json"))
+    markdown = tmp_path / "all" / "grid.md"
+    args = _parser().parse_args(["--from-json", ",".join(parts), "--out", str(tmp_path / "all"),
+                                 "--markdown", str(markdown)])
+    assert run_bench_command(args) == 1  # the failed Pallas row, as in the run that measured it
+    text = markdown.read_text()
+    assert "fusedkv bench --shape grid --configs 0\nfusedkv bench --shape grid --configs 1\n" in text
+    assert "- Device copy ceiling: 4101 GB/s, a 1 GiB copy, part 1" in text
+    assert (f"| 2 | Triton under graph replay at 90% of copy or more | both | 75% at {fit_large}, 32768 tokens | "
+            "missed by 15.0 points |") in text
+    assert (f"| 3 | Triton at most 1.15x the same-bytes copy, both under graph replay | held-out | 1.50x at "
+            f"{held_out}, 16 tokens | missed by 0.35x |") in text
+    assert f"Skipped, over the grid's memory limit: {fit} at 65536 tokens; {held_out} at 65536 tokens" in text
+    document = json.loads((tmp_path / "all" / "bench.json").read_text())
+    assert document["meta"]["grid"]["configurations"] == [fit, fit_large, held_out]
+    assert len(document["rows"]) == len(rows)
+    assert {p.name for p in (tmp_path / "all").iterdir()} >= {"grid-triton.png", "grid-pallas.png"}
+    assert "missed by 15.0 points" in capsys.readouterr().out
+
+
+def test_from_json_refuses_paths_that_are_not_files(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _parser().parse_args(["--from-json", str(tmp_path / "none.json")])
+    assert exit_info.value.code == 2
+    assert f"expected comma-separated bench.json files; not a file: {tmp_path / 'none.json'}" in (
+        capsys.readouterr().err)

@@ -107,6 +107,15 @@ def _config_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(numbers))
 
 
+def _path_list(text: str) -> tuple[str, ...]:
+    paths = tuple(part.strip() for part in text.split(",") if part.strip())
+    missing = [path for path in paths if not pathlib.Path(path).is_file()]
+    if not paths or missing:
+        raise argparse.ArgumentTypeError(f"got {text!r}, expected comma-separated bench.json files"
+                                         + (f"; not a file: {', '.join(missing)}" if missing else ""))
+    return paths
+
+
 def _word_list(text: str) -> list[str]:
     words = [word.strip() for word in text.split(",") if word.strip()]
     unknown = unknown_words(words)
@@ -167,6 +176,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--dry-run", action="store_true",
                         help="print the rows the options would run, shape by shape, and the sizes the grid "
                              "leaves out, then exit; needs no GPU")
+    parser.add_argument("--from-json", type=_path_list, default=None, metavar="PATHS",
+                        help="no run: the tables, plots and markdown of the rows of these bench.json files "
+                             "together (comma-separated), such as the parts of a grid run")
     parser.add_argument("--quick", action="store_true",
                         help="four token counts and fewer samples per row (a few minutes for one shape)")
     parser.add_argument("--max-calls-per-jit", type=_positive_int, default=None, metavar="N",
@@ -319,6 +331,29 @@ def dry_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def from_json(args: argparse.Namespace) -> int:
+    """``--from-json``: one report of the rows of earlier runs, under the first run's devices and
+    packages, the fastest 1 GiB copy of any of them, and each run's command."""
+    from interop.bench.report import read_data
+
+    metas, measurements = [], []
+    for path in args.from_json:
+        meta, rows = read_data(path)
+        metas.append(meta)
+        measurements += rows
+    copies = [tuple(meta["copy_ceiling"]) for meta in metas if meta.get("copy_ceiling", [None])[0] is not None]
+    meta = dict(metas[0], command=command_line(args), parts=[meta["command"] for meta in metas],
+                shapes=list(dict.fromkeys(name for meta in metas for name in meta["shapes"])))
+    grids = [meta["grid"] for meta in metas if "grid" in meta]
+    if grids:
+        meta["grid"] = dict(seed=grids[0]["seed"], configurations=list(dict.fromkeys(
+            name for grid in grids for name in grid["configurations"])),
+            skipped=list(dict.fromkeys(line for grid in grids for line in grid["skipped"])))
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return _report(measurements, out, meta, max(copies, default=(None, "")), markdown=args.markdown)
+
+
 def run_bench_command(args: argparse.Namespace) -> int:
     """Run the bench with the options of :func:`add_bench_arguments`; returns the exit status."""
     refusal = grid_refusal(args)
@@ -327,6 +362,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         return 2
     if args.dry_run:
         return dry_run(args)
+    if args.from_json:
+        return from_json(args)
     found, reasons = gpu_frameworks()
     if not found:
         print(REFUSAL.format(reasons="; ".join(reasons)), file=sys.stderr)
@@ -363,6 +400,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if skipped:
         print(f"skipped ({'; '.join(reasons)}): {', '.join(i.name for i in skipped)}", flush=True)
     copy = _copy_ceiling(found) if any(i.clock == "device" for i in implementations) else (None, "")
+    meta["copy_ceiling"] = list(copy)
     measurements = _measure(shapes, implementations, meta, effort, out, copy,
                             framework="torch" if "torch" in found else "jax",
                             skip={(shape.name, total_ctx) for shape, total_ctx in over_memory(

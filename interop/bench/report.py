@@ -281,6 +281,17 @@ def write_data(rows: list[Annotated], out_dir: pathlib.Path, meta: dict) -> list
     return [csv_path, json_path]
 
 
+def read_data(path: pathlib.Path) -> tuple[dict, list[Measurement]]:
+    """The ``meta`` and the measurements of a ``bench.json`` that :func:`write_data` wrote."""
+    document = json.loads(pathlib.Path(path).read_text())
+    names = {field.name for field in dataclasses.fields(Measurement)} - {"seconds", "rounds"}
+    measurements = [Measurement(**{name: record[name] for name in names},
+                                seconds=None if record["us"] is None else record["us"] * 1e-6,
+                                rounds=tuple(value * 1e-6 for value in record["us_rounds"]))
+                    for record in document["rows"]]
+    return document["meta"], measurements
+
+
 METHOD = (
     "Every implementation is checked against the interop reference (K within the tolerance table, V bit "
     "for bit) on random inputs before it is timed. Device time per call, median: torch by CUDA-graph replay, "
@@ -293,14 +304,17 @@ METHOD = (
 
 
 def markdown_report(rows: list[Annotated], meta: dict, descriptions: dict[str, str], grid: str = "") -> str:
-    """The run's tables as markdown: the command that made them, the devices and packages,
-    the ceiling and the method, then ``grid`` (the grid's tables, where the run has them)
-    and every table of each shape and dtype (``descriptions``: a line per shape name)."""
+    """The run's tables as markdown: the command that made them (and, for ``--from-json``, the
+    commands that measured the rows), the devices and packages, the ceiling and the method,
+    then ``grid`` (the grid's tables, where the run has them) and every table of each shape
+    and dtype (``descriptions``: a line per shape name)."""
     devices = "; ".join(f"{framework}: {device}" for framework, device in meta["devices"].items())
     packages = ", ".join(f"{name} {version}" for name, version in meta["versions"].items())
     ceiling = meta.get("ceiling") or "none measured"
-    parts = ["# fusedkv bench", "", "```sh", meta["command"], "```", "", f"- Devices: {devices}",
-             f"- Packages: {packages}", f"- Device copy ceiling: {ceiling}", "", METHOD]
+    parts = ["# fusedkv bench", "", "```sh", meta["command"], "```", ""]
+    if meta.get("parts"):  # a report of earlier runs' rows: the commands that measured them
+        parts += ["Rows of:", "", "```sh", *meta["parts"], "```", ""]
+    parts += [f"- Devices: {devices}", f"- Packages: {packages}", f"- Device copy ceiling: {ceiling}", "", METHOD]
     if grid:
         parts.append(grid)
     for (shape, dtype), group in groups(rows).items():
