@@ -15,12 +15,9 @@ from interop.core.reference_backward import fused_kv_norm_rope_backward_referenc
 from interop.core.spec import FusedKVConfig
 from interop.exchange import to_torch
 from interop.testing import assert_bit_exact, random_inputs
+from backward_cases import MAX_POSITION, assert_grad_close, edge_case
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-MAX_POSITION = 16
-# Relative to the largest gradient of a tensor: the kernel's fp32 sums against float64, and
-# one rounding into the gradient's dtype.
-RELATIVE_ERROR = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 
 
 def _inputs(config, *, dtype="float32", n_layers=2, total_ctx=3, seed=0, weight_dtype="float32"):
@@ -62,16 +59,6 @@ def _reference(config, arrays, grads, multiplier, *, normed=True):
                                                  v_multiplier=multiplier)
 
 
-def assert_grad_close(got, expected, dtype: str, name: str):
-    got = as_numpy(got).astype(np.float64)
-    assert got.shape == expected.shape, name
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected), err_msg=f"{name}: NaN where expected")
-    finite = ~np.isnan(expected)
-    scale = np.abs(expected[finite]).max(initial=1.0)
-    np.testing.assert_allclose(got[finite], expected[finite], rtol=0,
-                               atol=RELATIVE_ERROR[dtype] * scale, err_msg=name)
-
-
 FORMS = [
     # (config, normed, multiplied)
     (FusedKVConfig(2, 16, 16, "neox"), True, False),
@@ -109,23 +96,12 @@ def test_torch_weight_gradient_has_the_weights_dtype():
     assert_grad_close(got[1], _reference(config, arrays, given, None)[1], "bfloat16", "grad_k_norm_weight")
 
 
-def _edge(kind, arrays):
-    kv, eps, positions = arrays[0].copy(), arrays[2].copy(), arrays[4].copy()
-    if kind == "position outside the table":
-        positions[1] = MAX_POSITION
-    elif kind == "head without a scale":
-        kv[0, 1, :16], eps[1] = np.float32(1e-40), 0.0
-    else:
-        kv[2, 0, 16 + 5] = np.float32({"nan head": np.nan, "inf head": np.inf}.get(kind, 1e30))
-    return [kv, arrays[1], eps, arrays[3], positions]
-
-
 @pytest.mark.parametrize("kind", ["position outside the table", "head without a scale", "nan head", "inf head",
                                   "overflowing head"])
 def test_torch_gradients_take_the_references_edge_values(kind):
     config = FusedKVConfig(2, 16, 16, "gptj")
     arrays, grads, multiplier = _inputs(config, seed=5)
-    arrays = _edge(kind, arrays)
+    arrays = edge_case(kind, arrays)
     got, given = _torch_grads(config, arrays, grads, multiplier)
     expected = _reference(config, arrays, given, multiplier)
     for name, got_grad, expected_grad in zip(("grad_kv", "grad_k_norm_weight", "grad_v_multiplier"), got, expected):
