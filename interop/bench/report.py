@@ -30,7 +30,7 @@ from typing import Callable
 
 LAUNCH_FLOOR = "triton-launch"
 CEILING_KINDS = ("copy", "floor")
-BANDWIDTH_KINDS = ("kernel", "baseline", "copy", "floor", "sweep")
+BANDWIDTH_KINDS = ("kernel", "backward", "baseline", "copy", "floor", "sweep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +189,8 @@ class Section:
 
 SECTIONS = (
     Section("Kernels, floors, copies and baselines: device time per call",
-            lambda m: m.clock == "device" and m.kind in ("kernel", "floor", "copy", "baseline"), DEVICE_COLUMNS),
+            lambda m: m.clock == "device" and m.kind in ("kernel", "backward", "floor", "copy", "baseline"),
+            DEVICE_COLUMNS),
     Section("Tiles and forms: device time per call, fastest first", lambda m: m.kind == "sweep", DEVICE_COLUMNS,
             fastest_first=True),
     Section("Materializers: device time per call against the same GEMM call alone",
