@@ -33,6 +33,7 @@ from fusedkv_torch.kernel import (
     _rotate,
     _store_head_rows,
     _store_rotary_halves,
+    _strides,
     _tile_of_program,
     _v_to_destination,
     default_tile,
@@ -148,10 +149,6 @@ def _fused_kv_norm_rope_backward_kernel(
 
 
 _launcher = DirectLauncher(_fused_kv_norm_rope_backward_kernel)
-
-
-def _strides(tensor, ndim: int) -> tuple:
-    return (0,) * ndim if tensor is None else tensor.stride()
 
 
 def launch_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, grad_v, v_multiplier, *,
