@@ -32,7 +32,7 @@ from interop.bench.shapes import GRID
 
 LAUNCH_FLOOR = "triton-launch"
 CEILING_KINDS = ("copy", "floor")
-BANDWIDTH_KINDS = ("kernel", "baseline", "copy", "floor", "sweep")
+BANDWIDTH_KINDS = ("kernel", "backward", "baseline", "copy", "floor", "sweep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +190,7 @@ class Section:
 
 
 OP_SECTION = Section("Kernels, floors, copies and baselines: device time per call",
-                     lambda m: m.clock == "device" and m.kind in ("kernel", "floor", "copy", "baseline"),
+                     lambda m: m.clock == "device" and m.kind in ("kernel", "backward", "floor", "copy", "baseline"),
                      DEVICE_COLUMNS)
 SECTIONS = (
     OP_SECTION,
