@@ -698,8 +698,9 @@ def fused_kv_norm_rope_accepted(accepted: AcceptedCall, kv, k_norm_weight, eps, 
     if lowering == "mosaic_gpu":
         return mosaic_kernel.launch(kv, k_norm_weight, eps, cos_sin_cache, positions,
                                     config=call.config, interpret=options["interpret"])
-    return _launch(kv, k_norm_weight, eps, cos_sin_cache, positions, None, k_out, v_out, None, None, v_multiplier,
-                   **options)
+    # Differentiable (jax.grad, jax.vjp): fusedkv_jax.backward's custom_vjp around the same launch.
+    return backward.differentiable_launch(tuple(options.items()), kv, k_norm_weight, eps, cos_sin_cache, positions,
+                                          k_out, v_out, v_multiplier)
 
 
 def _launch_options(call: CallShape, kv, block_tokens, block_heads, num_warps, interpret) -> dict:
@@ -825,3 +826,7 @@ def fused_kv_norm_rope_into_cache(
     cache_loc = narrow_for_jax(cache_loc)
     return _launch(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
                    k_scale, v_scale, v_multiplier, **options)
+
+
+# Last: the backward's module builds on this one's helpers.
+from fusedkv_jax import backward  # noqa: E402

@@ -394,8 +394,9 @@ def supports_dependent_launch(device: torch.device) -> bool:
 
 
 def _strides(tensor, ndim: int) -> tuple:
-    """A tensor's strides, or zeros for one a call leaves out."""
-    return (0,) * ndim if tensor is None else tensor.stride()
+    """A tensor's strides, or ones for one a call leaves out: Triton specializes an integer
+    argument of 1 into a constant, so a left-out tensor adds no kernel parameter."""
+    return (1,) * ndim if tensor is None else tensor.stride()
 
 
 def _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, cache_loc, k_scale,

@@ -23,7 +23,7 @@ import torch
 
 # The op in its two steps, so that a bad call is rejected before the GEMM launches.
 from fusedkv_torch.modules import module_layers
-from fusedkv_torch.ops import prepare_cache_call, prepare_call
+from fusedkv_torch.ops import fused_kv_norm_rope, prepare_cache_call, prepare_call, requires_grad
 from interop.core.checkpoint import read_checkpoint_layers
 from interop.core.materializer import (FP8_E4M3_MAX, MIN_ACTIVATION_AMAX, LayerKV, validate_layers,
                                       validate_materialize, validate_reserve)
@@ -133,6 +133,9 @@ class FusedKVMaterializer:
     def __init__(self, layers: Sequence[LayerKV], *, cos_sin_cache: torch.Tensor | None = None):
         layers = tuple(layers)
         self.config = validate_layers(layers, cos_sin_cache, accepted="torch")
+        # Read again by every call autograd records, so that it follows the tensors' current values.
+        self._layer_tensors = tuple((layer.kv_proj_weight, layer.kv_proj_bias, layer.k_norm_weight)
+                                    for layer in layers)
         op = self.config.op
         self._op_static = (op.num_kv_heads, op.head_dim, op.rotary_dim, op.rope_style)
         weight = torch.cat([layer.kv_proj_weight for layer in layers])
@@ -253,13 +256,40 @@ class FusedKVMaterializer:
           k_out, v_out: optional dtype[n_layers, total_ctx, num_kv_heads, head_dim].
 
         Returns:
-          ``(k, v)``, each dtype[n_layers, total_ctx, num_kv_heads, head_dim].
+          ``(k, v)``, each dtype[n_layers, total_ctx, num_kv_heads, head_dim]. Where
+          ``ctx_hidden`` or a layer's tensor requires grad (and grad mode is on) they carry
+          a ``grad_fn``: the GEMM is then autograd's own, on the layers' tensors as they are
+          now, into a fresh ``kv`` (``k_out``/``v_out`` are refused).
         """
+        if requires_grad(ctx_hidden, *(t for tensors in self._layer_tensors for t in tensors)):
+            return self._materialize_differentiable(ctx_hidden, positions, max_position, k_out, v_out)
         kv, gemm_out = self._workspace_view(ctx_hidden, max_position)
         op_args = (kv, self.k_norm_weight, self.eps, self.cos_sin_cache, positions)
         prepared = prepare_call(*op_args, *self._op_static, k_out, v_out, v_multiplier=self.v_multiplier)
         self._project_into(gemm_out, ctx_hidden)
         return prepared.launch(*op_args, k_out, v_out, False, self.v_multiplier)
+
+    def _materialize_differentiable(self, ctx_hidden, positions, max_position, k_out, v_out):
+        """:meth:`materialize` as autograd records it: the weights stacked anew and a GEMM of its own."""
+        total_ctx = validate_materialize(ctx_hidden, self.config, max_position, accepted="torch")
+        weights, biases, norm_weights = zip(*self._layer_tensors)
+        weight = torch.cat(weights)
+        if self.config.fp8_weights:  # dequantize-then-GEMM in fp32, rounded once to bf16
+            hidden = ctx_hidden.to(torch.bfloat16).to(torch.float32)
+            kv = hidden @ (weight.to(torch.float32) * self.weight_scale[:, None]).t()
+            kv = (kv + torch.cat(biases).to(torch.float32) if self.config.biased else kv).to(torch.bfloat16)
+        else:
+            kv = ctx_hidden.to(weight.dtype) @ weight.t()
+            if self.config.biased:
+                kv = kv + torch.cat(biases)
+        k_norm_weight = None
+        if self.config.normed:
+            k_norm_weight = torch.stack([w.to(device=weight.device, dtype=torch.float32) for w in norm_weights])
+        op = self.config.op
+        return fused_kv_norm_rope(kv.view(self.config.kv_shape(total_ctx)), k_norm_weight, self.eps,
+                                  self.cos_sin_cache, positions, num_kv_heads=op.num_kv_heads, head_dim=op.head_dim,
+                                  rotary_dim=op.rotary_dim, rope_style=op.rope_style,
+                                  v_multiplier=self.v_multiplier, k_out=k_out, v_out=v_out)
 
     def materialize_layers(
         self,

@@ -14,6 +14,7 @@ import torch
 from torch._C import _functorch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from fusedkv_torch import backward  # registers fusedkv::fused_kv_norm_rope and its autograd formula
 from fusedkv_torch.kernel import _launch, _launcher, launch, supports_dependent_launch, tuned_plan
 from interop.core.spec import (
     AcceptedCall,
@@ -90,6 +91,21 @@ class PreparedCall:
                     v_multiplier, self.compiled)
         return k_out, v_out
 
+    def launch_differentiable(self, kv, k_norm_weight, eps, cos_sin_cache, positions, check_positions: bool,
+                              v_multiplier=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The op through its differentiable registered op (outputs with a ``grad_fn``), for a
+        call whose ``kv``, ``k_norm_weight`` or ``v_multiplier`` requires grad."""
+        if positions.device != kv.device:
+            positions = positions.to(kv.device, non_blocking=True)
+        if v_multiplier is not None:
+            v_multiplier = v_multiplier.to(kv.device)
+        if check_positions and self.call.total_ctx:
+            _check_positions_in_range(positions, self.call.max_position)
+        config = self.call.config
+        return backward.fused_kv_norm_rope_op(kv, k_norm_weight, eps, cos_sin_cache, positions, config.num_kv_heads,
+                                              config.head_dim, config.rotary_dim, config.rope_style, *self.tile,
+                                              v_multiplier)
+
     def launch_into_cache(self, kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
                           k_scale, v_scale, v_multiplier=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The op into a cache on the arguments :func:`prepare_cache_call` accepted."""
@@ -139,6 +155,10 @@ class RefusedCall:
     def launch(self, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
                check_positions: bool, v_multiplier=None) -> tuple[torch.Tensor, torch.Tensor]:
         return self._refuse(k_out, v_out)
+
+    def launch_differentiable(self, kv, k_norm_weight, eps, cos_sin_cache, positions, check_positions: bool,
+                              v_multiplier=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._refuse()
 
     def launch_into_cache(self, kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
                           k_scale, v_scale, v_multiplier=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,17 +242,40 @@ def _check_untransformed(function: str, names: tuple, arrays: tuple) -> None:
 _ARRAY_NAMES = ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions")
 
 
+def requires_grad(*tensors) -> bool:
+    """Whether autograd records a call on ``tensors``: grad mode is on and one of them requires grad."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _check_differentiable_outputs(kv, k_norm_weight, v_multiplier, k_out, v_out) -> None:
+    """Refuse outputs given to a call autograd records: buffers written in place carry no gradient."""
+    if requires_grad(kv, k_norm_weight, v_multiplier):
+        for name, out in (("k_out", k_out), ("v_out", v_out)):
+            if out is not None:
+                raise ValueError(
+                    f"Invalid {name} for fused KV materialization: got an output buffer while kv, k_norm_weight "
+                    f"or v_multiplier requires grad, expected {name}=None there (outputs written in place carry "
+                    "no gradient: the differentiable op allocates its own).")
+
+
 def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
                  rope_style, k_out, v_out, tile: tuple = _NO_TILE, v_multiplier=None) -> PreparedCall | RefusedCall:
     """A :func:`fused_kv_norm_rope` call validated, ready for :meth:`PreparedCall.launch`."""
     static = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
                   v_multiplier=v_multiplier)
     if torch.compiler.is_compiling():
-        return _traced(accept_call, (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out), static, tile)
+        prepared = _traced(accept_call, (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out), static,
+                           tile)
+        try:
+            _check_differentiable_outputs(kv, k_norm_weight, v_multiplier, k_out, v_out)
+        except ValueError as error:
+            return prepared if isinstance(prepared, RefusedCall) else RefusedCall(error)
+        return prepared
     if _functorch.maybe_current_level() is not None:  # inside vmap, grad...
         _check_untransformed("fused_kv_norm_rope", _ARRAY_NAMES + ("k_out", "v_out", "v_multiplier"),
                              (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, v_multiplier))
     accepted = accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, **static, takes="torch")
+    _check_differentiable_outputs(kv, k_norm_weight, v_multiplier, k_out, v_out)
     prepared = _prepared(accepted, kv, tile)
     if prepared.plan is not None:  # a kv without memory has no addresses to check
         check_output_buffers(kv, (("k_out", k_out), ("v_out", v_out)))
@@ -357,12 +400,20 @@ def fused_kv_norm_rope(
         otherwise.
 
     Returns:
-      ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim].
+      ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim]. Where
+      ``kv``, ``k_norm_weight`` or ``v_multiplier`` requires grad (and grad mode is on) they
+      carry a ``grad_fn`` (the Triton backward kernel, :mod:`fusedkv_torch.backward`), and
+      ``k_out``/``v_out`` are refused; ``eps``, ``cos_sin_cache`` and ``positions`` get no gradient.
     """
-    return prepare_call(
+    prepared = prepare_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, rope_style,
         k_out, v_out, _tile(block_tokens, block_heads, num_warps), v_multiplier,
-    ).launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, check_positions, v_multiplier)
+    )
+    if requires_grad(kv, k_norm_weight, v_multiplier):
+        return prepared.launch_differentiable(kv, k_norm_weight, eps, cos_sin_cache, positions, check_positions,
+                                              v_multiplier)
+    return prepared.launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, check_positions,
+                           v_multiplier)
 
 
 def fused_kv_norm_rope_accepted(accepted: AcceptedCall, kv, k_norm_weight, eps, cos_sin_cache, positions, *,

@@ -18,6 +18,7 @@ _EXPORTS = {
     "validate_cache_call": "interop.core.spec",
     "fused_kv_norm_rope_reference": "interop.core.reference",
     "fused_kv_norm_rope_into_cache_reference": "interop.core.reference",
+    "fused_kv_norm_rope_backward_reference": "interop.core.reference_backward",
     "rope_cos_sin_cache": "interop.core.reference",
     "fused_kv_norm_rope": "interop.dispatch",
     "TOLERANCES": "interop.testing",

@@ -352,6 +352,33 @@ def assert_bit_exact(got, expected, *, name: str = "v") -> None:
         )
 
 
+# A gradient is held to a fraction of the largest element of its tensor: grad_x = r * (w*gn
+# - x*r * mean(...)) cancels terms the size of the tensor's large elements, so an element
+# near zero carries their rounding, not its own ulp's. fp32: the kernels' fp32 sums in
+# another order; fp16, bf16: a few roundings of the gradient's dtype (Triton's interpreter
+# truncates to bf16).
+GRADIENT_RELATIVE_ERROR = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+def gradient_mismatch(got, expected, dtype: str, *, name: str = "grad_kv") -> str:
+    """``''`` when ``got`` holds ``expected`` (float64) within :data:`GRADIENT_RELATIVE_ERROR`
+    of ``dtype`` times the largest finite ``|expected|``, NaN exactly where it has NaN; else what differs."""
+    got = as_numpy(got).astype(np.float64)
+    if got.shape != expected.shape:
+        return f"{name}: shape {got.shape}, expected {expected.shape}"
+    nan = np.isnan(expected)
+    if (np.isnan(got) != nan).any():
+        differ = int((np.isnan(got) != nan).sum())
+        return f"{name}: {differ} elements NaN where the reference is not, or not NaN where it is"
+    scale = np.abs(expected[~nan]).max(initial=1.0)
+    error = np.abs(got[~nan] - expected[~nan])
+    allowed = GRADIENT_RELATIVE_ERROR[dtype] * scale
+    if not (error <= allowed).all():  # NaN errors (an Inf against a finite value) fail too
+        off = int((~(error <= allowed)).sum())
+        return f"{name}: {off} elements off by more than {allowed:.3g} (the worst by {np.nanmax(error):.3g})"
+    return ""
+
+
 @dataclasses.dataclass(frozen=True)
 class MaterializerCase:
     """Host (NumPy) arguments of one materializer and one call on it."""

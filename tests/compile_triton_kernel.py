@@ -1,6 +1,6 @@
-"""Compiles the Triton kernel for a Hopper GPU without one (to PTX and a cubin, which
-Triton's own ptxas builds), for every form a call can take: each optional argument given
-or None, both RoPE styles, with and without an unrotated tail. Run by
+"""Compiles the Triton kernels (the forward and the backward) for a Hopper GPU without one (to
+PTX and a cubin, which Triton's own ptxas builds), for every form a call can take: each
+optional argument given or None, both RoPE styles, with and without an unrotated tail. Run by
 test_torch_kernel.py in a process without TRITON_INTERPRET; exits non-zero on the first
 form that does not compile, printing it and the compiler's error."""
 
@@ -11,7 +11,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fusedkv_torch import kernel
+from fusedkv_torch import backward, kernel
 
 OPTIONAL = ("k_norm_weight_ptr", "slots_ptr", "k_scale_ptr", "v_scale_ptr", "v_multiplier_ptr")
 TENSORS = {"kv_ptr": "*bf16", "k_norm_weight_ptr": "*fp32", "eps_ptr": "*fp32", "cos_sin_ptr": "*fp32",
@@ -40,6 +40,36 @@ def compile_form(given: set, gptj: bool, tail: int) -> None:
     triton.compile(ASTSource(function, signature, constants), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4})
 
+BACKWARD_OPTIONAL = ("k_norm_weight_ptr", "v_multiplier_ptr")
+BACKWARD_TENSORS = {"kv_ptr": "*bf16", "k_norm_weight_ptr": "*fp32", "eps_ptr": "*fp32", "cos_sin_ptr": "*fp32",
+                    "positions_ptr": "*i32", "v_multiplier_ptr": "*fp32", "grad_k_ptr": "*bf16",
+                    "grad_v_ptr": "*bf16", "grad_kv_ptr": "*bf16", "weight_partials_ptr": "*fp32",
+                    "multiplier_partials_ptr": "*fp32"}
+# Each partial sum exists with what it sums: the weight's with a K-norm, the multiplier's with one.
+PARTIALS_OF = {"weight_partials_ptr": "k_norm_weight_ptr", "eps_ptr": "k_norm_weight_ptr",
+               "multiplier_partials_ptr": "v_multiplier_ptr"}
+
+
+def compile_backward_form(given: set, gptj: bool, tail: int) -> None:
+    function = backward._fused_kv_norm_rope_backward_kernel
+    names = list(function.arg_names)
+    head_dim = 128
+    sizes = dict(N_LAYERS=5, NUM_HEADS=8, HEAD_DIM=head_dim, ROTARY_DIM=head_dim - tail, GPTJ=gptj, BLOCK_T=2,
+                 BLOCK_HEADS=4, PAIR_BLOCK=(head_dim - tail) // 2, TAIL_BLOCK=tail, HEAD_BLOCK=head_dim)
+    signature, constants = {}, {}
+    for name in names:
+        owner = PARTIALS_OF.get(name, name)
+        absent = owner in BACKWARD_OPTIONAL and owner not in given
+        if name in BACKWARD_TENSORS and not absent:
+            signature[name] = BACKWARD_TENSORS[name]
+        elif name in BACKWARD_TENSORS or name in sizes:
+            signature[name] = "constexpr"
+            constants[(names.index(name),)] = sizes.get(name)
+        else:
+            signature[name] = "i32"
+    triton.compile(ASTSource(function, signature, constants), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 4})
+
 
 def main() -> int:
     forms = [set(), set(OPTIONAL)] + [set(OPTIONAL) - {name} for name in OPTIONAL]
@@ -48,6 +78,13 @@ def main() -> int:
             compile_form(given, gptj, tail)
         except Exception as error:  # the compiler's own errors, printed for the test's message
             print(f"given={sorted(given)} gptj={gptj} tail={tail}: {type(error).__name__}: {error}")
+            return 1
+    backward_forms = [set(), {"k_norm_weight_ptr"}, {"v_multiplier_ptr"}, set(BACKWARD_OPTIONAL)]
+    for given, gptj, tail in itertools.product(backward_forms, (False, True), (0, 64)):
+        try:
+            compile_backward_form(given, gptj, tail)
+        except Exception as error:  # the compiler's own errors, printed for the test's message
+            print(f"backward given={sorted(given)} gptj={gptj} tail={tail}: {type(error).__name__}: {error}")
             return 1
     return 0
 

@@ -964,3 +964,283 @@ def test_the_recorded_command_line_parses_back_to_the_same_options():
     assert line.startswith("fusedkv bench --tokens 4,16 --shape all --host --sweep --forms 1p --rounds 3 ")
     assert vars(_parser().parse_args(shlex.split(line)[2:])) == vars(args)
     assert command_line(_parser().parse_args([])) == "fusedkv bench"
+
+
+# --- the shape grid -----------------------------------------------------------------------
+
+
+def _grid_axes(shape):
+    """A grid configuration's value on each axis of the grid, read from its configuration."""
+    config = shape.config
+    return dict(head_dim=config.head_dim, num_kv_heads=config.num_kv_heads, n_layers=shape.n_layers,
+                rotary={config.head_dim: "full", config.head_dim // 2: "half",
+                        config.head_dim // 4: "quarter"}[config.rotary_dim],
+                rope_style=config.rope_style, dtype=shape.dtype)
+
+
+def test_the_grid_is_forty_distinct_configurations_drawn_alike_from_its_seed():
+    from interop.bench.shapes import GRID, grid_shapes
+
+    assert grid_shapes() == grid_shapes() == list(GRID.values())
+    assert len(GRID) == 40 and len({shape.name for shape in GRID.values()}) == 40
+    assert len({(shape.config, shape.n_layers, shape.dtype) for shape in GRID.values()}) == 40
+    assert grid_shapes(seed=1) != grid_shapes()
+
+
+def test_each_half_of_the_grid_covers_every_value_of_every_axis():
+    from interop.bench.shapes import GRID
+
+    axes = dict(head_dim={64, 80, 96, 128, 192, 256}, num_kv_heads={1, 2, 4, 8, 16, 32}, n_layers={1, 2, 3, 5, 8},
+                rotary={"full", "half", "quarter"}, rope_style={"neox", "gptj"},
+                dtype={"bfloat16", "float16", "float32"})
+    for half in ("fit", "held-out"):
+        drawn = [_grid_axes(shape) for shape in GRID.values() if shape.half == half]
+        assert len(drawn) == 20
+        assert {axis: {values[axis] for values in drawn} for axis in axes} == axes, half
+
+
+def test_the_grid_halves_alternate_by_name_and_names_spell_the_configuration():
+    from interop.bench.shapes import GRID
+
+    tags = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+    for index, name in enumerate(sorted(GRID)):
+        shape = GRID[name]
+        config = shape.config
+        assert shape.half == ("fit" if index % 2 == 0 else "held-out")
+        assert name == (f"g{index:02d}-hd{config.head_dim}-h{config.num_kv_heads}-l{shape.n_layers}-"
+                        f"r{config.rotary_dim}-{config.rope_style}-{tags[shape.dtype]}")
+
+
+def test_every_grid_configuration_passes_the_contract_validation():
+    from interop.bench.shapes import GRID
+    from interop.core.spec import validate_call
+
+    for shape in GRID.values():
+        inputs = random_inputs(shape.config, n_layers=shape.n_layers, total_ctx=2, dtype=shape.dtype,
+                               max_position=8, seed=0)
+        call = validate_call(*inputs.arrays(), **shape.static())
+        assert (call.n_layers, call.total_ctx, call.config) == (shape.n_layers, 2, shape.config)
+
+
+def test_grid_sizes_over_eight_gib_of_kv_and_outputs_are_left_out_and_said():
+    from interop.bench.command import _grid_meta, over_memory
+    from interop.bench.shapes import GRID
+
+    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4}
+    shapes = list(GRID.values())
+    # kv read once, K and V written once: twice tokens * layers * 2 * heads * head_dim elements
+    expected = [(shape.name, 32768) for shape in shapes if 2 * 32768 * shape.n_layers * 2 * shape.config.kv_size
+                * itemsize[shape.dtype] > 8 * 2**30]
+    assert expected and [(shape.name, tokens) for shape, tokens in over_memory(shapes, [1, 32768], "bfloat16")] \
+        == expected
+    assert not over_memory([SHAPES["draft"]], [1 << 20], "float32")  # the grid's limit alone
+    first = next(shape for shape in shapes if shape.name == expected[0][0])
+    gib = 4 * 32768 * first.n_layers * first.config.kv_size * itemsize[first.dtype] / 2**30
+    assert _grid_meta(shapes, [32768], "bfloat16")["skipped"][0] == (
+        f"{first.name} at 32768 tokens ({gib:.1f} GiB of kv and outputs, over 8 GiB)")
+
+
+def test_the_grid_options_pick_configurations_kernels_and_token_counts():
+    from interop.bench.command import bench_shapes, grid_refusal, token_counts, words_to_run
+    from interop.bench.shapes import GRID
+
+    names = list(GRID)
+    args = _parser().parse_args(["--shape", "grid"])
+    assert [shape.name for shape in bench_shapes(args)] == names
+    assert token_counts(args) == [1, 16, 64, 256, 1024, 4096, 32768] and words_to_run(args) == ["kernel"]
+    args = _parser().parse_args(["--shape", "grid", "--configs", "0-3,7", "--grid-half", "held-out"])
+    assert [shape.name for shape in bench_shapes(args)] == [names[1], names[3], names[7]]
+    assert grid_refusal(args) is None
+    assert words_to_run(_parser().parse_args(["--shape", "grid", "--only", "triton"])) == ["triton"]
+    assert grid_refusal(_parser().parse_args(["--configs", "3"])) == (
+        "--configs and --grid-half pick configurations of the grid; they need --shape grid")
+    assert grid_refusal(_parser().parse_args(["--shape", "grid", "--configs", "1", "--grid-half", "fit"])) == (
+        "no grid configuration is both among --configs and of the fit half")
+
+
+@pytest.mark.parametrize("configs", ["40", "3-1", "a", "-2", ","])
+def test_configs_other_than_grid_numbers_are_refused(configs, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _parser().parse_args(["--shape", "grid", "--configs", configs])
+    assert exit_info.value.code == 2
+    assert (f"argument --configs: got {configs!r}, expected comma-separated grid numbers or ranges of them from 0 "
+            "to 39") in capsys.readouterr().err
+
+
+def test_grid_options_without_the_grid_are_refused_before_any_gpu_is_looked_for(capsys):
+    assert run_bench_command(_parser().parse_args(["--grid-half", "fit"])) == 2
+    assert capsys.readouterr().err == (
+        "fusedkv bench: --configs and --grid-half pick configurations of the grid; they need --shape grid\n")
+
+
+def test_a_dry_run_of_the_grid_lists_each_configurations_rows_and_the_sizes_left_out(capsys):
+    from interop.bench.shapes import GRID
+
+    shapes = list(GRID.values())
+    numbers = [next(i for i, shape in enumerate(shapes) if shape.op_bytes(32768, shape.dtype) <= 8 * 2**30),
+               next(i for i, shape in enumerate(shapes) if shape.op_bytes(32768, shape.dtype) > 8 * 2**30)]
+    small, large = (shapes[i] for i in numbers)
+    argv = ["--shape", "grid", "--configs", ",".join(map(str, numbers)), "--dry-run"]
+    assert run_bench_command(_parser().parse_args(argv)) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # Five rows at each of seven sizes (the three kernels, two copies), but one size of the large one.
+    assert lines[0] == ("fusedkv bench --shape grid would run 65 rows (triton, pallas, pallas-mosaic, torch-copy, "
+                        "xla-copy) at tokens 1,16,64,256,1024,4096,32768:")
+    assert lines[1] == (f"  {small.name} ({small.description}, {small.dtype}): 35 rows at tokens "
+                        "1,16,64,256,1024,4096,32768")
+    assert lines[2] == f"  {large.name} ({large.description}, {large.dtype}): 30 rows at tokens 1,16,64,256,1024,4096"
+    assert lines[3].startswith(f"skipped {large.name} at 32768 tokens (") and len(lines) == 4
+
+
+def test_the_recorded_command_line_of_a_grid_run_parses_back():
+    import shlex
+
+    from interop.bench.command import command_line
+
+    args = _parser().parse_args(["--shape", "grid", "--configs", "2,0-1", "--grid-half", "fit", "--tokens", "16"])
+    line = command_line(args)
+    assert line == "fusedkv bench --tokens 16 --shape grid --configs 0,1,2 --grid-half fit"
+    assert vars(_parser().parse_args(shlex.split(line)[2:])) == vars(args)
+
+
+def _grid_rows():
+    """Hand-made rows of three grid configurations, two fit and one held out, whose verdicts
+    follow from the numbers: 16 tokens move 1 MB, 4096 tokens 100 MB, 32768 tokens 1 GB."""
+    from interop.bench.shapes import GRID
+
+    fit, held_out, fit_large = list(GRID)[:3]
+
+    def row(shape, implementation, tokens, us, nbytes, *, check="ok"):
+        kind = "copy" if implementation.endswith("copy") else "kernel"
+        framework = "jax" if implementation.startswith("pallas") else "torch"
+        return Measurement(shape, GRID[shape].dtype, implementation, framework, kind, "device", tokens,
+                           None if us is None else us * 1e-6, nbytes, check=check, does_op=kind == "kernel")
+
+    rows = []
+    for shape in (fit, held_out):
+        rows += [row(shape, "torch-copy", 16, 1.0, 10**6), row(shape, "torch-copy", 4096, 25.0, 10**8)]
+    rows += [row(fit, "triton", 4096, 25 / 0.95, 10**8), row(fit, "pallas", 4096, 25 / 0.92, 10**8),
+             row(fit, "triton", 16, 1.10, 10**6), row(fit, "pallas", 16, 1.21, 10**6),  # 1.10x, then 1.10x Triton
+             row(held_out, "triton", 4096, 31.25, 10**8), row(held_out, "pallas", 4096, 25 / 0.95, 10**8),
+             row(held_out, "triton", 16, 1.50, 10**6), row(held_out, "pallas", 16, 1.80, 10**6)]
+    # A graph-replayed copy of 1 GB at 2500 GB/s, slower than the 100 MB copies' 4000: Triton's
+    # 3000 GB/s is 120% of it but 75% of the faster copy of fewer bytes. Pallas failed its check.
+    rows += [row(fit_large, "torch-copy", 32768, 400.0, 10**9), row(fit_large, "triton", 32768, 1e3 / 3, 10**9),
+             row(fit_large, "pallas", 32768, None, 10**9, check="FAIL: k: 1 of 10 elements outside tolerance")]
+    return rows, (fit, held_out, fit_large)
+
+
+def test_the_grid_bars_are_judged_per_half_from_the_measured_rows():
+    from interop.bench import grid
+
+    rows, (fit, held_out, fit_large) = _grid_rows()
+    verdicts = {(bar, what.split()[0], half): (worst, verdict)
+                for bar, what, half, worst, verdict in grid.bar_lines(grid.cells(rows))}
+    assert verdicts["2", "Triton", "fit"] == (f"75% at {fit_large}, 32768 tokens", "missed by 15.0 points")
+    assert verdicts["2", "Triton", "held-out"] == (f"80% at {held_out}, 4096 tokens", "missed by 10.0 points")
+    assert verdicts["2", "Triton", "both"] == (f"75% at {fit_large}, 32768 tokens", "missed by 15.0 points")
+    # A size whose row failed its check shows no bar held, though every measured size holds.
+    assert verdicts["2", "Pallas", "fit"] == (f"92% at {fit}, 4096 tokens", "not shown: 1 of 2 sizes unmeasured")
+    assert verdicts["2", "Pallas", "held-out"] == (f"95% at {held_out}, 4096 tokens", "held")
+    assert verdicts["2", "Pallas", "both"][1] == "not shown: 1 of 3 sizes unmeasured"
+    assert verdicts["3", "Triton", "fit"] == (f"1.10x at {fit}, 16 tokens", "held")
+    assert verdicts["3", "Triton", "held-out"] == (f"1.50x at {held_out}, 16 tokens", "missed by 0.35x")
+    assert verdicts["3", "Triton", "both"] == (f"1.50x at {held_out}, 16 tokens", "missed by 0.35x")
+    assert verdicts["3", "Pallas's", "fit"] == (f"1.10x at {fit}, 16 tokens", "held")
+    assert verdicts["3", "Pallas's", "both"] == (f"1.20x at {held_out}, 16 tokens", "held")
+    assert len(verdicts) == 4 * 3
+
+
+def test_the_grid_summary_gives_the_worst_and_median_of_copy_per_bucket_and_half():
+    from interop.bench import grid
+
+    rows, (fit, held_out, fit_large) = _grid_rows()
+    summary = {line[:3]: line[3:] for line in grid.summary_lines(grid.cells(rows))}
+    assert summary[grid.LARGE, "fit", "triton"] == ("2 of 2", "75%", "85%", f"{fit_large}, 32768 tokens")
+    assert summary[grid.LARGE, "both", "pallas"] == ("2 of 3", "92%", "94%", f"{fit}, 4096 tokens")
+    # 1 MB over 1.50 us is 667 GB/s, two thirds of the 1 MB copy's 1000
+    assert summary[grid.DECODE, "held-out", "triton"] == ("1 of 1", "67%", "67%", f"{held_out}, 16 tokens")
+    table = {(line[0], line[2]): line for line in grid.configuration_lines(grid.cells(rows))}
+    assert table["configuration", "tokens"] == (
+        "configuration", "half", "tokens", "MB", "copy GB/s", "torch-copy us", "triton us", "pallas us",
+        "triton of copy", "pallas of copy", "triton x torch-copy", "pallas x triton")
+    assert table[fit, "16"][3:] == ("1", "1000", "1.00", "1.10", "1.21", "91%", "83%", "1.10x", "1.10x")
+    # Read against the faster copy of fewer bytes, marked; the failed row has no time.
+    assert table[fit_large, "32768"][3:] == ("1000", "4000*", "400.00", "333.33", "-", "75%", "-", "0.83x", "-")
+
+
+def test_where_jax_alone_sees_a_device_a_grid_run_writes_the_grids_tables_and_heatmap(tmp_path, capsys,
+                                                                                     monkeypatch):
+    pytest.importorskip("jax")
+    pytest.importorskip("tqdm")
+    pytest.importorskip("matplotlib")
+    from interop.bench import command
+    from interop.bench.shapes import GRID
+
+    monkeypatch.setattr(command, "gpu_frameworks", lambda: ({"jax": "stand-in"}, ["torch sees no CUDA device"]))
+    shapes = list(GRID.values())
+    # The smallest configuration of each half: the Pallas kernel runs interpreted here.
+    numbers = [min((i for i, s in enumerate(shapes) if s.half == half), key=lambda i: shapes[i].op_bytes(2, "float32"))
+               for half in ("fit", "held-out")]
+    names = [shapes[i].name for i in sorted(numbers)]
+    out, markdown = tmp_path / "out", tmp_path / "grid.md"
+    argv = ["--shape", "grid", "--configs", ",".join(map(str, numbers)), "--tokens", "2", "--only", "pallas",
+            "--max-calls-per-jit", "8", "--out", str(out), "--markdown", str(markdown)]
+    assert run_bench_command(_parser().parse_args(argv)) == 0
+    printed = capsys.readouterr().out
+    assert "2 grid configurations, each in its own dtype, tokens 2" in printed
+    assert "== The shape grid: the issue's bars ==" in printed and "== g" not in printed
+    table = printed[printed.index("== The shape grid: each configuration against copy =="):]
+    assert [cells[:3] for cells in _table_rows(table.split("\n", 1)[1].split("\ncopy GB/s:")[0])] == [
+        [name, GRID[name].half, "2"] for name in names]
+    with open(out / "bench.csv", newline="") as file:
+        records = list(csv.DictReader(file))
+    assert sorted((r["shape"], r["dtype"], r["implementation"]) for r in records) == sorted(
+        (name, GRID[name].dtype, implementation) for name in names for implementation in ("pallas", "xla-copy"))
+    assert all(r["check"] == "ok" for r in records)
+    assert json.loads((out / "bench.json").read_text())["meta"]["grid"] == dict(
+        seed=27, configurations=names, skipped=[])
+    assert {p.name for p in out.iterdir()} == {"bench.csv", "bench.json", "grid-pallas.png"}
+    text = markdown.read_text()
+    assert "## The shape grid: the issue's bars" in text
+    assert "## The shape grid: each configuration against copy" in text
+    assert "| 2 | Pallas in jit at 90% of copy or more | both | - | not measured |" in text
+    assert not any(line.startswith("## g") for line in text.splitlines())
+
+
+def test_from_json_reports_the_rows_of_several_runs_as_one_grid(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    rows, (fit, held_out, fit_large) = _grid_rows()
+    base = dict(devices={"torch": "Test GPU", "jax": "Test GPU"}, versions={"python": "3.12.0"}, dtype="bfloat16")
+    parts = []
+    for index, names in enumerate(((fit, fit_large), (held_out,))):
+        meta = dict(base, command=f"fusedkv bench --shape grid --configs {index}", shapes=list(names),
+                    copy_ceiling=[4100.0 + index, f"a 1 GiB copy, part {index}"],
+                    grid=dict(seed=27, configurations=list(names), skipped=[f"{names[0]} at 65536 tokens"]))
+        write_data(annotate([m for m in rows if m.shape in names]), tmp_path / f"part{index}", meta)
+        parts.append(str(tmp_path / f"part{index}" / "bench.json"))
+    markdown = tmp_path / "all" / "grid.md"
+    args = _parser().parse_args(["--from-json", ",".join(parts), "--out", str(tmp_path / "all"),
+                                 "--markdown", str(markdown)])
+    assert run_bench_command(args) == 1  # the failed Pallas row, as in the run that measured it
+    text = markdown.read_text()
+    assert "fusedkv bench --shape grid --configs 0\nfusedkv bench --shape grid --configs 1\n" in text
+    assert "- Device copy ceiling: 4101 GB/s, a 1 GiB copy, part 1" in text
+    assert (f"| 2 | Triton under graph replay at 90% of copy or more | both | 75% at {fit_large}, 32768 tokens | "
+            "missed by 15.0 points |") in text
+    assert (f"| 3 | Triton at most 1.15x the same-bytes copy, both under graph replay | held-out | 1.50x at "
+            f"{held_out}, 16 tokens | missed by 0.35x |") in text
+    assert f"Skipped, over the grid's memory limit: {fit} at 65536 tokens; {held_out} at 65536 tokens" in text
+    document = json.loads((tmp_path / "all" / "bench.json").read_text())
+    assert document["meta"]["grid"]["configurations"] == [fit, fit_large, held_out]
+    assert len(document["rows"]) == len(rows)
+    assert {p.name for p in (tmp_path / "all").iterdir()} >= {"grid-triton.png", "grid-pallas.png"}
+    assert "missed by 15.0 points" in capsys.readouterr().out
+
+
+def test_from_json_refuses_paths_that_are_not_files(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _parser().parse_args(["--from-json", str(tmp_path / "none.json")])
+    assert exit_info.value.code == 2
+    assert f"expected comma-separated bench.json files; not a file: {tmp_path / 'none.json'}" in (
+        capsys.readouterr().err)

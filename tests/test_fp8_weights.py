@@ -16,8 +16,8 @@ import pytest
 
 from backends import host
 from interop.core.arrays import numpy_dtype
-from interop.core.materializer import (LayerKV, MaterializerConfig, head_parallel_layers, projection_reference,
-                                      validate_layers)
+from interop.core.materializer import (LayerKV, MaterializerConfig, dequantized_weight, head_parallel_layers,
+                                      projection_reference, validate_layers)
 from interop.core.spec import FusedKVConfig
 from interop.testing import (END_TO_END_TOLERANCE, FP8_GEMM_TOLERANCE, TOLERANCES, MaterializerCase,
                              assert_bit_exact, assert_close, fp8_layers, random_case)
@@ -222,3 +222,24 @@ def test_head_parallel_shares_take_the_rows_of_per_row_scales_and_keep_per_tenso
                 layer.weight_scale.reshape(-1, 1), (ROWS, 1))
             assert_bit_exact(share.kv_proj_weight.astype(np.float32) * share.weight_scale.reshape(-1, 1),
                              dequantized[rows], name=f"dequantized weights of rank {rank}")
+
+
+def test_fp8_weights_under_autograd_run_dequantize_then_gemm_and_give_the_gradient_a_path():
+    torch = pytest.importorskip("torch")
+    import fusedkv_torch
+    from interop.exchange import to_torch
+
+    case = _case("per-row", kv_bias=True)
+    materializer = fusedkv_torch.FusedKVMaterializer([dataclasses.replace(
+        layer, **{field: to_torch(getattr(layer, field)) for field in FIELDS}) for layer in case.layers])
+    ctx_hidden = to_torch(case.ctx_hidden.astype(np.float32)).requires_grad_()
+    k, v = materializer.materialize(ctx_hidden, to_torch(case.positions))
+    assert k.grad_fn is not None and v.grad_fn is not None
+    k_expected, v_expected = case.end_to_end_reference()
+    assert_close(k.detach(), k_expected, tolerance=END_TO_END_TOLERANCE)
+    assert_close(v.detach(), v_expected, name="v", tolerance=END_TO_END_TOLERANCE)
+    v.float().sum().backward()  # d(sum of V)/d(hidden): every layer's dequantized V rows, summed
+    v_rows = sum(dequantized_weight(layer)[OP.kv_size:].astype(np.float64).sum(axis=0) for layer in case.layers)
+    # The gradient passes the casts of hidden to bf16 and back: it is rounded to bf16, half an ulp.
+    np.testing.assert_allclose(ctx_hidden.grad.numpy(), np.broadcast_to(v_rows, case.ctx_hidden.shape),
+                               rtol=2.0 ** -8, atol=1e-6)

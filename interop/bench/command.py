@@ -22,7 +22,18 @@ import sys
 
 from interop.bench import sweep
 from interop.bench.registry import BY_NAME, KINDS, select, unknown_words
-from interop.bench.shapes import DEFAULT_TOKENS, DTYPES, QUICK_TOKENS, SHAPES
+from interop.bench.shapes import (
+    DEFAULT_TOKENS,
+    DTYPES,
+    GRID,
+    GRID_HALVES,
+    GRID_MAX_BYTES,
+    GRID_SEED,
+    GRID_TOKENS,
+    QUICK_TOKENS,
+    SHAPES,
+    BenchShape,
+)
 
 DESCRIPTION = """\
 Time every implementation of the fused KV op on this GPU, in one process: the Triton
@@ -41,6 +52,11 @@ jit for jax (about 1 ms of estimated device work a jit); medians; inputs rotated
 they would fit in L2. Bandwidth counts 2 * kv.nbytes (read kv, write K and V), against a
 same-bytes copy ("of copy") and against the device's copy ceiling ("of ceiling": the
 highest of a 1 GiB copy and every copy and floor row of the run, named in the output).
+
+--shape grid times a seeded sample of draft configurations, each in its own dtype,
+as --quick samples (the kernels and copies unless --only says otherwise), and adds the
+grid's tables: each configuration against copy, the worst and median per token bucket,
+and the issue's bars, per half of the grid (fit, held-out).
 
 --host times the eager calls alone (16 tokens unless --tokens says otherwise); --sweep
 and --forms add the kernels' tiles and the Pallas kernel's forms as rows of their own;
@@ -75,6 +91,31 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _config_list(text: str) -> tuple[int, ...]:
+    """``--configs``: grid numbers and ranges of them, such as ``0-9,12``."""
+    numbers: set[int] = set()
+    try:
+        for part in (part.strip() for part in text.split(",") if part.strip()):
+            low, _, high = part.partition("-")
+            numbers.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        numbers = set()
+    if not numbers or min(numbers) < 0 or max(numbers) >= len(GRID):
+        raise argparse.ArgumentTypeError(
+            f"got {text!r}, expected comma-separated grid numbers or ranges of them from 0 to {len(GRID) - 1}, "
+            "such as 0-9,12")
+    return tuple(sorted(numbers))
+
+
+def _path_list(text: str) -> tuple[str, ...]:
+    paths = tuple(part.strip() for part in text.split(",") if part.strip())
+    missing = [path for path in paths if not pathlib.Path(path).is_file()]
+    if not paths or missing:
+        raise argparse.ArgumentTypeError(f"got {text!r}, expected comma-separated bench.json files"
+                                         + (f"; not a file: {', '.join(missing)}" if missing else ""))
+    return paths
+
+
 def _word_list(text: str) -> list[str]:
     words = [word.strip() for word in text.split(",") if word.strip()]
     unknown = unknown_words(words)
@@ -93,9 +134,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--tokens", type=_token_list, default=None,
                         help=f"comma-separated token counts (default: {','.join(map(str, DEFAULT_TOKENS))}; "
                              f"with --quick: {','.join(map(str, QUICK_TOKENS))})")
-    parser.add_argument("--shape", choices=(*SHAPES, "all"), default="draft",
+    parser.add_argument("--shape", choices=(*SHAPES, "all", "grid"), default="draft",
                         help="; ".join(f"{s.name}: {s.description}" for s in SHAPES.values())
-                             + "; all: the three (default: draft)")
+                             + f"; all: the three; grid: {len(GRID)} seeded draft configurations in their own "
+                               "dtypes (default: draft)")
+    parser.add_argument("--configs", type=_config_list, default=None, metavar="NUMBERS",
+                        help="with --shape grid: only these configurations, by number (g07 is 7), comma-separated "
+                             "numbers and ranges such as 0-9,12")
+    parser.add_argument("--grid-half", choices=GRID_HALVES, default=None,
+                        help="with --shape grid: only the configurations of this half (the tile rules' fit half, "
+                             "or the half held out from it)")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                         help="dtype of kv and outputs (default: bfloat16)")
     parser.add_argument("--only", type=_word_list, default=None,
@@ -125,6 +173,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--markdown", default=None, metavar="PATH",
                         help="also write the tables as markdown to PATH, under the command line, devices, "
                              "packages and ceiling that produced them")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the rows the options would run, shape by shape, and the sizes the grid "
+                             "leaves out, then exit; needs no GPU")
+    parser.add_argument("--from-json", type=_path_list, default=None, metavar="PATHS",
+                        help="no run: the tables, plots and markdown of the rows of these bench.json files "
+                             "together (comma-separated), such as the parts of a grid run")
     parser.add_argument("--quick", action="store_true",
                         help="four token counts and fewer samples per row (a few minutes for one shape)")
     parser.add_argument("--max-calls-per-jit", type=_positive_int, default=None, metavar="N",
@@ -192,17 +246,21 @@ def command_line(args: argparse.Namespace) -> str:
 
 def words_to_run(args: argparse.Namespace) -> list[str] | None:
     """The registry rows to run: ``--only``'s, or those ``--host`` and ``--sweep`` compare, or all."""
+    if args.only is None and args.shape == "grid" and not (args.host or args.sweep or args.forms):
+        return ["kernel"]
     if args.only is not None or not (args.host or args.sweep or args.forms):
         return args.only
     return (["host", "interop"] if args.host else []) + (["triton", "pallas"] if args.sweep or args.forms else [])
 
 
 def token_counts(args: argparse.Namespace) -> list[int]:
-    """``--tokens``, or the defaults of ``--host`` alone, ``--quick`` or a full run."""
+    """``--tokens``, or the defaults of ``--host`` alone, the grid, ``--quick`` or a full run."""
     if args.tokens:
         return list(args.tokens)
     if args.host and not (args.sweep or args.forms):
         return list(HOST_TOKENS)
+    if args.shape == "grid":
+        return list(GRID_TOKENS)
     return list(QUICK_TOKENS if args.quick else DEFAULT_TOKENS)
 
 
@@ -220,8 +278,92 @@ def _copy_ceiling(found: dict[str, str]) -> tuple[float | None, str]:
         return None, ""
 
 
+def bench_shapes(args: argparse.Namespace) -> list[BenchShape]:
+    """The shapes ``--shape`` names; of the grid, those ``--configs`` and ``--grid-half`` keep."""
+    if args.shape == "all":
+        return list(SHAPES.values())
+    if args.shape != "grid":
+        return [SHAPES[args.shape]]
+    return [shape for number, shape in enumerate(GRID.values())
+            if (args.configs is None or number in args.configs) and args.grid_half in (None, shape.half)]
+
+
+def grid_refusal(args: argparse.Namespace) -> str | None:
+    """Why the grid options cannot be run as given, or None."""
+    if args.shape != "grid" and (args.configs is not None or args.grid_half is not None):
+        return "--configs and --grid-half pick configurations of the grid; they need --shape grid"
+    if args.shape == "grid" and not bench_shapes(args):
+        return f"no grid configuration is both among --configs and of the {args.grid_half} half"
+    return None
+
+
+def over_memory(shapes: list[BenchShape], tokens: list[int], dtype: str) -> list[tuple[BenchShape, int]]:
+    """The grid's sizes whose kv and outputs together pass :data:`~interop.bench.shapes.GRID_MAX_BYTES`."""
+    return [(shape, total_ctx) for shape in shapes if shape.name in GRID for total_ctx in tokens
+            if shape.op_bytes(total_ctx, shape.dtype or dtype) > GRID_MAX_BYTES]
+
+
+def _grid_meta(shapes: list[BenchShape], tokens: list[int], dtype: str) -> dict:
+    """The grid's seed, its configurations in the run and the sizes left out, each a line."""
+    skipped = [f"{shape.name} at {total_ctx} tokens ({shape.op_bytes(total_ctx, shape.dtype or dtype) / 2**30:.1f} "
+               f"GiB of kv and outputs, over {GRID_MAX_BYTES / 2**30:g} GiB)"
+               for shape, total_ctx in over_memory(shapes, tokens, dtype)]
+    return dict(seed=GRID_SEED, configurations=[shape.name for shape in shapes], skipped=skipped)
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    """``--dry-run``: the rows each shape would run, as though torch and jax both saw a GPU."""
+    from interop.bench.runner import plan
+
+    extra = sweep.implementations(args.sweep or ("d",), args.forms) if args.sweep or args.forms else []
+    implementations, _ = select(words_to_run(args), {"torch": "", "jax": ""}, extra=extra)
+    shapes, tokens = bench_shapes(args), token_counts(args)
+    left_out = {(shape.name, total_ctx) for shape, total_ctx in over_memory(shapes, tokens, args.dtype)}
+    tasks = [task for task in plan(shapes, tokens, implementations) if (task[0].name, task[1]) not in left_out]
+    print(f"fusedkv bench {'--shape grid ' if args.shape == 'grid' else ''}would run {len(tasks)} rows "
+          f"({', '.join(i.name for i in implementations)}) at tokens {','.join(map(str, tokens))}:")
+    for shape in shapes:
+        sizes = sorted({total_ctx for task_shape, total_ctx, _ in tasks if task_shape is shape})
+        print(f"  {shape.name} ({shape.description}, {shape.dtype or args.dtype}): "
+              f"{sum(task[0] is shape for task in tasks)} rows at tokens {','.join(map(str, sizes)) or 'none'}")
+    for line in _grid_meta(shapes, tokens, args.dtype)["skipped"]:
+        print(f"skipped {line}")
+    return 0
+
+
+def from_json(args: argparse.Namespace) -> int:
+    """``--from-json``: one report of the rows of earlier runs, under the first run's devices and
+    packages, the fastest 1 GiB copy of any of them, and each run's command."""
+    from interop.bench.report import read_data
+
+    metas, measurements = [], []
+    for path in args.from_json:
+        meta, rows = read_data(path)
+        metas.append(meta)
+        measurements += rows
+    copies = [tuple(meta["copy_ceiling"]) for meta in metas if meta.get("copy_ceiling", [None])[0] is not None]
+    meta = dict(metas[0], command=command_line(args), parts=[meta["command"] for meta in metas],
+                shapes=list(dict.fromkeys(name for meta in metas for name in meta["shapes"])))
+    grids = [meta["grid"] for meta in metas if "grid" in meta]
+    if grids:
+        meta["grid"] = dict(seed=grids[0]["seed"], configurations=list(dict.fromkeys(
+            name for grid in grids for name in grid["configurations"])),
+            skipped=list(dict.fromkeys(line for grid in grids for line in grid["skipped"])))
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return _report(measurements, out, meta, max(copies, default=(None, "")), markdown=args.markdown)
+
+
 def run_bench_command(args: argparse.Namespace) -> int:
     """Run the bench with the options of :func:`add_bench_arguments`; returns the exit status."""
+    refusal = grid_refusal(args)
+    if refusal is not None:
+        print(f"fusedkv bench: {refusal}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        return dry_run(args)
+    if args.from_json:
+        return from_json(args)
     found, reasons = gpu_frameworks()
     if not found:
         print(REFUSAL.format(reasons="; ".join(reasons)), file=sys.stderr)
@@ -235,10 +377,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     from interop.bench.runner import FULL, QUICK
 
-    shapes = list(SHAPES.values()) if args.shape == "all" else [SHAPES[args.shape]]
+    shapes = bench_shapes(args)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    effort = QUICK if args.quick else FULL
+    effort = QUICK if args.quick or args.shape == "grid" else FULL
     if args.max_calls_per_jit is not None:
         effort = dataclasses.replace(effort, max_calls_per_jit=args.max_calls_per_jit)
     meta = dict(command=command_line(args),
@@ -246,19 +388,30 @@ def run_bench_command(args: argparse.Namespace) -> int:
                 devices=found, versions=_versions(), shapes=[s.name for s in shapes], dtype=args.dtype,
                 tokens=token_counts(args), quick=args.quick, rounds=args.rounds,
                 max_calls_per_jit=effort.max_calls_per_jit, implementations=[i.name for i in implementations])
+    if args.shape == "grid":
+        meta["grid"] = _grid_meta(shapes, meta["tokens"], args.dtype)
+    what = (f"{len(shapes)} grid configurations, each in its own dtype" if args.shape == "grid"
+            else f"{', '.join(meta['shapes'])}, {args.dtype}")
     print(f"fusedkv bench on {', '.join(sorted(set(found.values())))} "
-          f"({', '.join(f'{k} {v}' for k, v in meta['versions'].items())}): {', '.join(meta['shapes'])}, "
-          f"{args.dtype}, tokens {','.join(map(str, meta['tokens']))}; results in {out}/", flush=True)
+          f"({', '.join(f'{k} {v}' for k, v in meta['versions'].items())}): {what}, "
+          f"tokens {','.join(map(str, meta['tokens']))}; results in {out}/", flush=True)
+    for line in meta.get("grid", {}).get("skipped", []):
+        print(f"skipped {line}", flush=True)
     if skipped:
         print(f"skipped ({'; '.join(reasons)}): {', '.join(i.name for i in skipped)}", flush=True)
     copy = _copy_ceiling(found) if any(i.clock == "device" for i in implementations) else (None, "")
+    meta["copy_ceiling"] = list(copy)
     measurements = _measure(shapes, implementations, meta, effort, out, copy,
-                            framework="torch" if "torch" in found else "jax")
+                            framework="torch" if "torch" in found else "jax",
+                            skip={(shape.name, total_ctx) for shape, total_ctx in over_memory(
+                                shapes, meta["tokens"], args.dtype)})
     return _report(measurements, out, meta, copy, markdown=args.markdown)
 
 
-def _measure(shapes, implementations, meta: dict, effort, out: pathlib.Path, copy: tuple, *, framework: str):
-    """Every row, behind a progress bar; the files rewritten after each size."""
+def _measure(shapes, implementations, meta: dict, effort, out: pathlib.Path, copy: tuple, *, framework: str,
+             skip: set[tuple[str, int]]):
+    """Every row but those of the sizes in ``skip`` (shape name, tokens), behind a progress
+    bar; the files rewritten after each size."""
     from tqdm import tqdm
 
     from interop.bench.report import write_data
@@ -266,7 +419,7 @@ def _measure(shapes, implementations, meta: dict, effort, out: pathlib.Path, cop
 
     errors_log = out / "errors.log"
     errors_log.unlink(missing_ok=True)
-    tasks = plan(shapes, meta["tokens"], implementations)
+    tasks = [task for task in plan(shapes, meta["tokens"], implementations) if (task[0].name, task[1]) not in skip]
     # Redrawn often on a terminal, rarely into a log (each redraw is a line of it).
     with tqdm(total=len(tasks), unit="row", desc="fusedkv bench", dynamic_ncols=True, file=sys.stderr,
               mininterval=0.5 if sys.stderr.isatty() else 10) as bar:
@@ -291,20 +444,26 @@ def _annotated(measurements, copy: tuple, meta: dict):
 
 def _report(measurements, out: pathlib.Path, meta: dict, copy: tuple, *, markdown: str | None) -> int:
     """Print the tables, write the files, and return the exit status."""
+    from interop.bench import grid
     from interop.bench.plots import write_plots
     from interop.bench.report import format_table, groups, markdown_report, sections, write_data
 
     rows, ceiling = _annotated(measurements, copy, meta)
+    descriptions = {name: shape.description for name, shape in (*SHAPES.items(), *GRID.items())}
     print(f"\ndevice copy ceiling: {meta['ceiling'] or 'none measured'}")
     for (shape, dtype), group in groups(rows).items():
-        for section, taken in sections(group):
-            print(f"\n== {shape}: {SHAPES[shape].description}, {dtype}: {section.title} ==")
+        for section, taken in sections(group, in_grid=shape in GRID):
+            print(f"\n== {shape}: {descriptions[shape]}, {dtype}: {section.title} ==")
             print(format_table(taken, section.columns, fastest_first=section.fastest_first))
+    skipped = meta.get("grid", {}).get("skipped", [])
+    grid_text = grid.format_tables(measurements, skipped)
+    if grid_text:
+        print(grid_text)
     written = write_data(rows, out, meta) + write_plots(rows, out, ceiling)
     if markdown:
         path = pathlib.Path(markdown)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(markdown_report(rows, meta, {name: s.description for name, s in SHAPES.items()}))
+        path.write_text(markdown_report(rows, meta, descriptions, grid.markdown_tables(measurements, skipped)))
         written.append(path)
     print(f"\nwrote {', '.join(str(path) for path in written)}")
     failed = [m for m in measurements if not m.ok]

@@ -7,6 +7,10 @@
 * ``materializers-*``: each materializer's time over its own GEMM call's alone (a line at 1);
 * ``baselines-*``: the baselines' device time beside the two kernels'.
 
+The shape grid's configurations get none of these but ``grid-<implementation>.png`` for
+each kernel: its fraction of copy (:mod:`interop.bench.grid`) at every configuration
+(columns) and token count (rows), about 1400 x 600 pixels.
+
 Host rows are in none: their time is the host's, not the device's.
 """
 
@@ -14,11 +18,15 @@ from __future__ import annotations
 
 import pathlib
 
+from interop.bench import grid
 from interop.bench.report import Annotated, Ceiling, groups
-from interop.bench.shapes import DECODE_TOKENS, SHAPES
+from interop.bench.shapes import DECODE_TOKENS, GRID, SHAPES
 
 FIGURE_INCHES = (9, 5)
+GRID_FIGURE_INCHES = (14, 6)
 DPI = 100
+# The grid's colour scale: from half of copy (red) through the bar's 90% to above copy (green).
+GRID_SCALE = (0.5, 1.1)
 KIND_STYLES = {
     "kernel": dict(linestyle="-", marker="o", linewidth=2.4),
     "floor": dict(linestyle=":", marker="^", linewidth=1.6),
@@ -139,15 +147,60 @@ def _charts(group: list[Annotated], ceiling: Ceiling | None) -> list[tuple[str, 
     ]
 
 
+def grid_fractions(rows: list[Annotated], name: str) -> tuple[list[str], list[int], list[list[float | None]]]:
+    """The grid's configurations (in grid order), token counts, and ``name``'s fraction of copy
+    at each (a list per token count; None where not measured)."""
+    found = grid.cells([row.measurement for row in rows])
+    configurations = sorted({cell.shape for cell in found})
+    tokens = sorted({cell.tokens for cell in found})
+    fractions = {(cell.shape, cell.tokens): cell.fraction(name) for cell in found}
+    return configurations, tokens, [[fractions.get((shape, count)) for shape in configurations] for count in tokens]
+
+
+def _draw_grid(rows: list[Annotated], name: str, path: pathlib.Path) -> None:
+    """``name``'s fraction of copy as a heatmap, each cell labelled in percent."""
+    import numpy as np
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
+    configurations, tokens, fractions = grid_fractions(rows, name)
+    values = np.ma.masked_invalid(np.array([[np.nan if v is None else v for v in line] for line in fractions]))
+    figure = Figure(figsize=GRID_FIGURE_INCHES, dpi=DPI)
+    axes = figure.add_subplot()
+    image = axes.imshow(values, cmap=colormaps["RdYlGn"].with_extremes(bad="lightgray"), vmin=GRID_SCALE[0],
+                        vmax=GRID_SCALE[1], aspect="auto", interpolation="nearest")
+    for y, line in enumerate(fractions):
+        for x, value in enumerate(line):
+            if value is not None:
+                axes.text(x, y, f"{value * 100:.0f}", ha="center", va="center", fontsize=6)
+    axes.set_xticks(range(len(configurations)), configurations, rotation=90, fontsize=7)
+    for label, shape in zip(axes.get_xticklabels(), configurations):
+        label.set_color("black" if GRID[shape].half == "fit" else "tab:blue")
+    axes.set_yticks(range(len(tokens)), [_token_label(count) for count in tokens])
+    axes.set_ylabel("tokens (total_ctx)")
+    axes.set_title(f"{name}: percent of copy per grid configuration (names in blue: the held-out half; "
+                   "grey: not measured)", fontsize=9)
+    figure.colorbar(image, ax=axes, fraction=0.02, pad=0.01, label="fraction of copy")
+    figure.subplots_adjust(left=0.05, right=0.98, bottom=0.34, top=0.94)
+    figure.savefig(path, format="png")
+
+
 def write_plots(rows: list[Annotated], out_dir: pathlib.Path, ceiling: Ceiling | None = None) -> list[pathlib.Path]:
     """``kernels-``, ``latency-``, ``materializers-`` and ``baselines-<shape>-<dtype>.png`` in
-    ``out_dir``, each where it has something to draw; returns the files written."""
+    ``out_dir``, each where it has something to draw, and ``grid-<implementation>.png`` for
+    each kernel of the grid; returns the files written."""
     written = []
     for (shape, dtype), group in groups(rows).items():
+        if shape in GRID:
+            continue
         described = f"{shape}: {SHAPES[shape].description}" if shape in SHAPES else shape
         for stem, series, how in _charts(group, ceiling):
             if series:
                 path = out_dir / f"{stem}-{shape}-{dtype}.png"
                 _draw(group, series, path, **dict(how, title=f"{described}, {dtype}\n{how['title']}"))
                 written.append(path)
+    for name in grid.fraction_rows(grid.cells([row.measurement for row in rows])):
+        path = out_dir / f"grid-{name}.png"
+        _draw_grid(rows, name, path)
+        written.append(path)
     return written

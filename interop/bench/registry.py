@@ -4,6 +4,8 @@ Kinds:
 
 * ``kernel``: ours, the Triton kernel (torch) and the Pallas kernel (jax) on each of its
   lowerings: ``pallas`` on Triton (the default), ``pallas-mosaic`` on Mosaic GPU;
+* ``backward``: their backward kernels alone, ``triton-bwd`` and ``pallas-bwd``
+  (:mod:`interop.bench.backward`), read against their framework's copy;
 * ``baseline``: the op as a model author would write it (eager PyTorch, ``torch.compile``,
   jnp under ``jax.jit``, which XLA fuses); the fastest is the speed-up column's yardstick;
 * ``copy``: a device copy of the op's bytes in the same framework (the "of copy" column);
@@ -31,7 +33,7 @@ import dataclasses
 import functools
 from typing import Callable, Sequence
 
-from interop.bench import materializers
+from interop.bench import backward, materializers
 from interop.bench.baselines import jnp_reference_math, torch_reference_math
 from interop.bench.check import copy_verdict, op_verdict
 from interop.bench.rows import Calls, Implementation, NotApplicable, Steps, op_calls, op_steps
@@ -40,7 +42,7 @@ from interop.bench.workload import Workload
 __all__ = ["BY_NAME", "IMPLEMENTATIONS", "KINDS", "LAUNCH_FLOOR", "Calls", "Implementation", "NotApplicable",
            "Steps", "companions", "select", "unknown_words"]
 
-KINDS = ("kernel", "baseline", "copy", "floor", "materializer", "interop", "host")
+KINDS = ("kernel", "backward", "baseline", "copy", "floor", "materializer", "interop", "host")
 # The custom call jax lowers a Mosaic GPU kernel to (jax 0.10-0.11).
 MOSAIC_GPU_TARGET = "mosaic_gpu_v2"
 LAUNCH_FLOOR = "triton-launch"
@@ -259,6 +261,8 @@ IMPLEMENTATIONS = (
     Implementation("triton", "torch", "kernel", triton_calls),
     Implementation("pallas", "jax", "kernel", functools.partial(pallas_steps, lowering="triton")),
     Implementation("pallas-mosaic", "jax", "kernel", _pallas_mosaic),
+    Implementation("triton-bwd", "torch", "backward", backward.triton_backward, does_op=False),
+    Implementation("pallas-bwd", "jax", "backward", backward.pallas_backward, does_op=False),
     Implementation("torch-eager", "torch", "baseline", _torch_eager, baseline=True),
     Implementation("torch-compile", "torch", "baseline", _torch_compile, baseline=True),
     Implementation("jnp-jit", "jax", "baseline", _jnp_steps, baseline=True),

@@ -28,9 +28,11 @@ import json
 import pathlib
 from typing import Callable
 
+from interop.bench.shapes import GRID
+
 LAUNCH_FLOOR = "triton-launch"
 CEILING_KINDS = ("copy", "floor")
-BANDWIDTH_KINDS = ("kernel", "baseline", "copy", "floor", "sweep")
+BANDWIDTH_KINDS = ("kernel", "backward", "baseline", "copy", "floor", "sweep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,9 +189,11 @@ class Section:
     fastest_first: bool = False
 
 
+OP_SECTION = Section("Kernels, floors, copies and baselines: device time per call",
+                     lambda m: m.clock == "device" and m.kind in ("kernel", "backward", "floor", "copy", "baseline"),
+                     DEVICE_COLUMNS)
 SECTIONS = (
-    Section("Kernels, floors, copies and baselines: device time per call",
-            lambda m: m.clock == "device" and m.kind in ("kernel", "floor", "copy", "baseline"), DEVICE_COLUMNS),
+    OP_SECTION,
     Section("Tiles and forms: device time per call, fastest first", lambda m: m.kind == "sweep", DEVICE_COLUMNS,
             fastest_first=True),
     Section("Materializers: device time per call against the same GEMM call alone",
@@ -249,9 +253,11 @@ def groups(rows: list[Annotated]) -> dict[tuple[str, str], list[Annotated]]:
     return grouped
 
 
-def sections(rows: list[Annotated]) -> list[tuple[Section, list[Annotated]]]:
-    """Each :data:`SECTIONS` table of one shape and dtype that has rows, with its rows."""
-    found = [(section, [row for row in rows if section.takes(row.measurement)]) for section in SECTIONS]
+def sections(rows: list[Annotated], *, in_grid: bool = False) -> list[tuple[Section, list[Annotated]]]:
+    """Each :data:`SECTIONS` table of one shape and dtype that has rows, with its rows;
+    ``in_grid``: a grid configuration's, whose :data:`OP_SECTION` the grid's tables replace."""
+    found = [(section, [row for row in rows if section.takes(row.measurement)]) for section in SECTIONS
+             if not (in_grid and section is OP_SECTION)]
     return [(section, taken) for section, taken in found if taken]
 
 
@@ -275,6 +281,17 @@ def write_data(rows: list[Annotated], out_dir: pathlib.Path, meta: dict) -> list
     return [csv_path, json_path]
 
 
+def read_data(path: pathlib.Path) -> tuple[dict, list[Measurement]]:
+    """The ``meta`` and the measurements of a ``bench.json`` that :func:`write_data` wrote."""
+    document = json.loads(pathlib.Path(path).read_text())
+    names = {field.name for field in dataclasses.fields(Measurement)} - {"seconds", "rounds"}
+    measurements = [Measurement(**{name: record[name] for name in names},
+                                seconds=None if record["us"] is None else record["us"] * 1e-6,
+                                rounds=tuple(value * 1e-6 for value in record["us_rounds"]))
+                    for record in document["rows"]]
+    return document["meta"], measurements
+
+
 METHOD = (
     "Every implementation is checked against the interop reference (K within the tolerance table, V bit "
     "for bit) on random inputs before it is timed. Device time per call, median: torch by CUDA-graph replay, "
@@ -286,18 +303,25 @@ METHOD = (
     "launch* their time above Triton's own launch of the compiled kernel.")
 
 
-def markdown_report(rows: list[Annotated], meta: dict, descriptions: dict[str, str]) -> str:
-    """The run's tables as markdown: the command that made them, the devices and packages,
-    the ceiling and the method, then every table of each shape and dtype (``descriptions``:
-    a line per shape name)."""
+def markdown_report(rows: list[Annotated], meta: dict, descriptions: dict[str, str], grid: str = "") -> str:
+    """The run's tables as markdown: the command that made them (and, for ``--from-json``, the
+    commands that measured the rows), the devices and packages, the ceiling and the method,
+    then ``grid`` (the grid's tables, where the run has them) and every table of each shape
+    and dtype (``descriptions``: a line per shape name)."""
     devices = "; ".join(f"{framework}: {device}" for framework, device in meta["devices"].items())
     packages = ", ".join(f"{name} {version}" for name, version in meta["versions"].items())
     ceiling = meta.get("ceiling") or "none measured"
-    parts = ["# fusedkv bench", "", "```sh", meta["command"], "```", "", f"- Devices: {devices}",
-             f"- Packages: {packages}", f"- Device copy ceiling: {ceiling}", "", METHOD]
+    parts = ["# fusedkv bench", "", "```sh", meta["command"], "```", ""]
+    if meta.get("parts"):  # a report of earlier runs' rows: the commands that measured them
+        parts += ["Rows of:", "", "```sh", *meta["parts"], "```", ""]
+    parts += [f"- Devices: {devices}", f"- Packages: {packages}", f"- Device copy ceiling: {ceiling}", "", METHOD]
+    if grid:
+        parts.append(grid)
     for (shape, dtype), group in groups(rows).items():
-        parts += ["", f"## {shape}: {descriptions.get(shape, shape)}, {dtype}"]
-        for section, taken in sections(group):
+        shown = sections(group, in_grid=shape in GRID)
+        if shown:
+            parts += ["", f"## {shape}: {descriptions.get(shape, shape)}, {dtype}"]
+        for section, taken in shown:
             parts += ["", f"### {section.title}", "",
                       markdown_table(taken, section.columns, fastest_first=section.fastest_first)]
     return "\n".join(parts) + "\n"

@@ -258,13 +258,15 @@ def run(tasks: list[tuple[BenchShape, int, Implementation]], *, dtype: str, fram
         rounds: int = 1, progress=None, on_error: Callable[[Measurement, str], None] | None = None,
         on_size_done: Callable[[list[Measurement]], None] | None = None) -> list[Measurement]:
     """Measure ``tasks`` (from :func:`plan`), inputs drawn in ``framework``, each row timed
-    in ``rounds`` alternated rounds (module docstring).
+    in ``rounds`` alternated rounds (module docstring); in ``dtype``, or a shape's own.
 
     ``progress``: a tqdm-like bar, advanced once per row; ``on_size_done(rows so far)``
     after each shape and token count (to write partial results).
     """
     measurements: list[Measurement] = []
+    run_dtype = dtype
     for (shape, total_ctx), group in itertools.groupby(tasks, key=lambda task: (task[0], task[1])):
+        dtype = shape.dtype or run_dtype
         workload = None
         try:
             workload = Workload(shape, total_ctx, dtype, framework=framework)

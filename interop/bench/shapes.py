@@ -1,8 +1,16 @@
-"""What ``fusedkv bench`` measures: the three shapes, the token counts, and the bytes a call must move."""
+"""What ``fusedkv bench`` measures: the three shapes, the shape grid, the token counts, and the bytes a call must move.
+
+The grid (``--shape grid``, :func:`grid_shapes`) is a fixed sample of draft
+configurations drawn with :data:`GRID_SEED`: two halves of :data:`GRID_HALF_SIZE`, each
+drawn so that every value of every axis (:data:`GRID_AXES`) appears in it, interleaved
+so that the configurations numbered even are the ``fit`` half (tile rules may be fitted
+on them) and the odd ones the ``held-out`` half (the rules are reported on them).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import random
 
 from interop.core.arrays import numpy_dtype
 from interop.core.spec import KV_DTYPES, FusedKVConfig
@@ -18,6 +26,24 @@ DEFAULT_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 32768, 65536)
 QUICK_TOKENS = (16, 256, 4096, 32768)
 DTYPES = KV_DTYPES
 
+GRID_SEED = 27
+GRID_HALF_SIZE = 20
+GRID_HALVES = ("fit", "held-out")
+GRID_TOKENS = (1, 16, 64, 256, 1024, 4096, 32768)
+# Rotary widths as fractions of head_dim: every one even for every grid head_dim.
+ROTARY_FRACTIONS = {"full": 1, "half": 2, "quarter": 4}
+GRID_AXES = {
+    "head_dim": (64, 80, 96, 128, 192, 256),
+    "num_kv_heads": (1, 2, 4, 8, 16, 32),
+    "n_layers": (1, 2, 3, 5, 8),
+    "rotary": tuple(ROTARY_FRACTIONS),
+    "rope_style": ("neox", "gptj"),
+    "dtype": DTYPES,
+}
+# A grid size whose kv and outputs together pass this is skipped, not drawn.
+GRID_MAX_BYTES = 8 * 2**30
+DTYPE_TAGS = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+
 
 @dataclasses.dataclass(frozen=True)
 class BenchShape:
@@ -29,6 +55,8 @@ class BenchShape:
     n_layers: int
     description: str
     hidden: int = 4096
+    dtype: str | None = None  # a grid configuration's own dtype; None: the run's
+    half: str = ""  # a grid configuration's half, one of GRID_HALVES
 
     def static(self) -> dict:
         """The op's keyword arguments (``num_kv_heads``, ``head_dim``, ``rotary_dim``, ``rope_style``)."""
@@ -73,3 +101,37 @@ SHAPES = {
     )
 }
 DRAFT_SHAPE = SHAPES["draft"]
+
+
+def _axis_column(values: tuple, count: int, rng: random.Random) -> list:
+    """``count`` draws of ``values``, each at least ``count // len(values)`` times, shuffled."""
+    column = list(values) * (count // len(values)) + rng.sample(values, count % len(values))
+    rng.shuffle(column)
+    return column
+
+
+def _grid_shape(index: int, draw: dict) -> BenchShape:
+    head_dim, heads, layers = draw["head_dim"], draw["num_kv_heads"], draw["n_layers"]
+    rotary = head_dim // ROTARY_FRACTIONS[draw["rotary"]]
+    style, dtype = draw["rope_style"], draw["dtype"]
+    name = f"g{index:02d}-hd{head_dim}-h{heads}-l{layers}-r{rotary}-{style}-{DTYPE_TAGS[dtype]}"
+    description = (f"{layers} layer{'s' * (layers > 1)}, {heads} KV head{'s' * (heads > 1)}, head_dim {head_dim}, "
+                   f"rotary {rotary}, {style}, {GRID_HALVES[index % 2]} half")
+    return BenchShape(name, FusedKVConfig(heads, head_dim, rotary, style), layers, description, dtype=dtype,
+                      half=GRID_HALVES[index % 2])
+
+
+def grid_shapes(seed: int = GRID_SEED, half_size: int = GRID_HALF_SIZE) -> list[BenchShape]:
+    """The shape grid: ``2 * half_size`` distinct configurations, the same for the same
+    ``seed`` (module docstring); ``g00``, ``g02``... are the ``fit`` half."""
+    rng = random.Random(seed)
+    while True:
+        halves = [list(zip(*(_axis_column(values, half_size, rng) for values in GRID_AXES.values())))
+                  for _ in GRID_HALVES]
+        draws = [draw for pair in zip(*halves) for draw in pair]
+        if len(set(draws)) == len(draws):  # a configuration drawn twice: draw again
+            break
+    return [_grid_shape(index, dict(zip(GRID_AXES, draw))) for index, draw in enumerate(draws)]
+
+
+GRID = {shape.name: shape for shape in grid_shapes()}

@@ -1,0 +1,149 @@
+"""The jax op's backward (the Pallas backward kernel behind jax.custom_vjp) against the
+NumPy reference backward: under jax.vjp, jax.grad in jit, jax.checkpoint, check_grads,
+and through the materializer."""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+from jax.test_util import check_grads  # noqa: E402
+
+import fusedkv_jax  # noqa: E402
+from interop.core.materializer import LayerKV, RopeConfig  # noqa: E402
+from interop.core.reference_backward import fused_kv_norm_rope_backward_reference  # noqa: E402
+from interop.core.spec import FusedKVConfig  # noqa: E402
+from interop.testing import assert_bit_exact, random_inputs  # noqa: E402
+from backward_cases import MAX_POSITION, assert_grad_close, edge_case  # noqa: E402
+
+
+def _inputs(config, *, dtype="float32", n_layers=2, total_ctx=3, seed=0):
+    host = random_inputs(config, n_layers=n_layers, total_ctx=total_ctx, dtype=dtype, max_position=MAX_POSITION,
+                         seed=seed)
+    rng = np.random.default_rng(seed + 1)
+    shape = config.output_shape(n_layers, total_ctx)
+    grads = [rng.standard_normal(shape).astype(host.kv.dtype) for _ in range(2)]
+    return list(host.arrays()), grads, rng.uniform(0.5, 2.0, size=n_layers).astype(np.float32)
+
+
+def _static(config):
+    return dict(num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, rotary_dim=config.rotary_dim,
+                rope_style=config.rope_style)
+
+
+def _op(config, eps, cache, positions):
+    def op(kv, weight, multiplier):
+        return fusedkv_jax.fused_kv_norm_rope(kv, weight, None if weight is None else eps, cache, positions,
+                                              **_static(config), v_multiplier=multiplier)
+    return op
+
+
+def _jax_and_reference_grads(config, arrays, grads, multiplier, *, normed=True):
+    kv, weight, eps, cache, positions = arrays
+    weight = weight if normed else None
+    _, vjp = jax.vjp(_op(config, eps, cache, positions), jnp.asarray(kv),
+                     None if weight is None else jnp.asarray(weight),
+                     None if multiplier is None else jnp.asarray(multiplier))
+    got = vjp(tuple(jnp.asarray(g) for g in grads))
+    expected = fused_kv_norm_rope_backward_reference(kv, weight, eps if normed else None, cache, positions, *grads,
+                                                     **_static(config), v_multiplier=multiplier)
+    return got, expected
+
+
+FORMS = [
+    # (config, normed, multiplied)
+    (FusedKVConfig(2, 16, 16, "neox"), True, True),
+    (FusedKVConfig(2, 16, 16, "gptj"), True, False),
+    (FusedKVConfig(1, 16, 8, "neox"), False, True),
+    (FusedKVConfig(2, 12, 4, "gptj"), True, True),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("config, normed, multiplied", FORMS, ids=str)
+def test_jax_gradients_match_the_reference_backward(config, normed, multiplied, dtype):
+    arrays, grads, multiplier = _inputs(config, dtype=dtype)
+    multiplier = multiplier if multiplied else None
+    got, expected = _jax_and_reference_grads(config, arrays, grads, multiplier, normed=normed)
+    assert_grad_close(got[0], expected[0], dtype, "grad_kv")
+    assert got[0].dtype == jnp.dtype(dtype)
+    if not multiplied:  # V's gradient is the incoming one, bit for bit
+        v_grad = np.asarray(got[0])[:, :, config.kv_size:].reshape(3, 2, -1, config.head_dim).transpose(1, 0, 2, 3)
+        assert_bit_exact(v_grad, grads[1])
+    for name, index in (("grad_k_norm_weight", 1), ("grad_v_multiplier", 2)):
+        if expected[index] is None:
+            assert got[index] is None, name
+        else:
+            assert_grad_close(got[index], expected[index], "float32", name)
+
+
+@pytest.mark.parametrize("kind", ["position outside the table", "head without a scale", "nan head", "inf head",
+                                  "overflowing head"])
+def test_jax_gradients_take_the_references_edge_values(kind):
+    config = FusedKVConfig(2, 16, 16, "gptj")
+    arrays, grads, multiplier = _inputs(config, seed=5)
+    got, expected = _jax_and_reference_grads(config, edge_case(kind, arrays), grads, multiplier)
+    for name, got_grad, expected_grad in zip(("grad_kv", "grad_k_norm_weight", "grad_v_multiplier"), got, expected):
+        assert_grad_close(got_grad, expected_grad, "float32", name)
+
+
+@pytest.mark.parametrize("config", [FusedKVConfig(1, 8, 8, "neox"), FusedKVConfig(2, 8, 4, "gptj")], ids=str)
+def test_jax_op_passes_check_grads_in_fp32(config):
+    (kv, weight, eps, cache, positions), _, multiplier = _inputs(config, n_layers=1, total_ctx=2, seed=9)
+    op = _op(config, eps, cache, positions)
+    # fp32 finite differences: steps of 1e-3 keep the rounding noise below the tolerance.
+    check_grads(op, (jnp.asarray(kv), jnp.asarray(weight), jnp.asarray(multiplier)), order=1, modes=["rev"],
+                eps=1e-3, atol=2e-3, rtol=2e-3)
+
+
+def test_jax_grad_in_jit_through_checkpoint_matches_the_reference_and_leaves_the_rest_undifferentiated():
+    config = FusedKVConfig(2, 8, 8, "neox")
+    (kv, weight, eps, cache, positions), (probe_k, probe_v), multiplier = _inputs(config, seed=12)
+
+    @jax.jit
+    def loss_grads(kv, weight, eps, cache, multiplier):
+        def loss(kv, weight, eps, cache, multiplier):
+            k, v = jax.checkpoint(lambda *a: fusedkv_jax.fused_kv_norm_rope(
+                *a[:4], positions, **_static(config), v_multiplier=a[4]))(kv, weight, eps, cache, multiplier)
+            return jnp.sum(k * probe_k) + jnp.sum(v * probe_v)
+        return jax.grad(loss, argnums=(0, 1, 2, 3, 4))(kv, weight, eps, cache, multiplier)
+
+    grad_kv, grad_weight, grad_eps, grad_cache, grad_multiplier = loss_grads(
+        *(jnp.asarray(a) for a in (kv, weight, eps, cache, multiplier)))
+    expected = fused_kv_norm_rope_backward_reference(kv, weight, eps, cache, positions, probe_k, probe_v,
+                                                     **_static(config), v_multiplier=multiplier)
+    for name, got, want in zip(("grad_kv", "grad_k_norm_weight", "grad_v_multiplier"),
+                               (grad_kv, grad_weight, grad_multiplier), expected):
+        assert_grad_close(got, want, "float32", name)
+    # eps and the table are not differentiated: their cotangents are zeros.
+    assert not np.asarray(grad_eps).any() and not np.asarray(grad_cache).any()
+
+
+def test_jax_materialize_differentiates_to_ctx_hidden_and_the_weights():
+    config, hidden, n_layers = FusedKVConfig(2, 8, 8, "neox"), 6, 2
+    rng = np.random.default_rng(13)
+    layers = [LayerKV(kv_proj_weight=(rng.standard_normal((2 * config.kv_size, hidden)) / hidden ** 0.5
+                                      ).astype(np.float32),
+                      k_norm_weight=(1 + 0.25 * rng.standard_normal(config.head_dim)).astype(np.float32),
+                      eps=1e-6, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                      rope=RopeConfig(config.rotary_dim, MAX_POSITION, style=config.rope_style))
+              for _ in range(n_layers)]
+    materializer = fusedkv_jax.FusedKVMaterializer(layers)
+    ctx_hidden = rng.standard_normal((3, hidden)).astype(np.float32)
+    positions = np.array([0, 5, 9], np.int32)
+    probes = [rng.standard_normal(config.output_shape(n_layers, 3)).astype(np.float32) for _ in range(2)]
+
+    def loss(materializer, ctx_hidden):
+        k, v = materializer.materialize(ctx_hidden, positions)
+        return jnp.sum(k * probes[0]) + jnp.sum(v * probes[1])
+
+    grad_materializer, grad_hidden = jax.grad(loss, argnums=(0, 1))(materializer, jnp.asarray(ctx_hidden))
+    weight = np.concatenate([layer.kv_proj_weight for layer in layers])
+    kv = (ctx_hidden @ weight.T).reshape(3, n_layers, -1)
+    grad_kv, grad_norm_weight, _ = fused_kv_norm_rope_backward_reference(
+        kv, np.stack([layer.k_norm_weight for layer in layers]), np.full(n_layers, 1e-6, np.float32),
+        np.asarray(materializer.cos_sin_cache), positions, *probes, **_static(config))
+    grad_kv = grad_kv.reshape(3, -1)
+    assert_grad_close(grad_hidden, grad_kv @ weight, "float32", "ctx_hidden")
+    assert_grad_close(grad_materializer.kv_proj_weight, grad_kv.T @ ctx_hidden, "float32", "kv_proj_weight")
+    assert_grad_close(grad_materializer.k_norm_weight, grad_norm_weight, "float32", "k_norm_weight")
