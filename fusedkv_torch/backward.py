@@ -152,10 +152,12 @@ _launcher = DirectLauncher(_fused_kv_norm_rope_backward_kernel)
 
 
 def launch_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, grad_v, v_multiplier, *,
-                    config: FusedKVConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    config: FusedKVConfig, tile: tuple = (None, None, None)
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of a validated call, on ``kv``'s device: ``(grad_kv, grad_k_norm_weight,
     grad_v_multiplier)``, the last two empty (shape ``(0,)``) where the call has no K-norm,
-    no multiplier. ``grad_k``/``grad_v``: ``[n_layers, total_ctx, heads, head_dim]``, any strides."""
+    no multiplier. ``grad_k``/``grad_v``: ``[n_layers, total_ctx, heads, head_dim]``, any strides.
+    ``tile``: ``(block_tokens, block_heads, num_warps)`` overrides for tuning, unchecked; None keeps the default."""
     total_ctx, n_layers, _ = kv.shape
     grad_kv = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
     weight_shape, multiplier_shape = ((n_layers, config.head_dim) if k_norm_weight is not None else (0,),
@@ -163,8 +165,10 @@ def launch_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, gr
     if total_ctx == 0 or n_layers == 0:
         return (grad_kv, kv.new_zeros(weight_shape, dtype=_weight_dtype(k_norm_weight)),
                 kv.new_zeros(multiplier_shape, dtype=torch.float32))
-    block_tokens, block_heads, num_warps = default_tile(total_ctx, config.num_kv_heads, config.head_dim,
-                                                        interpret=_launcher.interpreted)
+    default = default_tile(total_ctx, config.num_kv_heads, config.head_dim, interpret=_launcher.interpreted)
+    # Twice the forward's threads: a tile loads twice the forward's bytes (K and V with their gradients).
+    default = (default[0], default[1], 2 * default[2])
+    block_tokens, block_heads, num_warps = (given or chosen for given, chosen in zip(tile, default))
     token_blocks, head_groups = -(-total_ctx // block_tokens), config.num_kv_heads // block_heads
     grid = token_blocks * n_layers * head_groups
     weight_partials = multiplier_partials = None
@@ -183,8 +187,7 @@ def launch_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, gr
         (total_ctx, cos_sin_cache.shape[0]),
         (*kv.stride(), *_strides(k_norm_weight, 2), *_strides(eps, 1), *cos_sin_cache.stride(), *positions.stride(),
          *_strides(v_multiplier, 1), *grad_k.stride(), *grad_v.stride(), *grad_kv.stride()),
-        # Twice the forward's threads: a tile loads twice the forward's bytes (K and V with their gradients).
-        constexprs, num_warps=2 * num_warps)
+        constexprs, num_warps=num_warps)
     # The second reduction: each program's row, summed over the token blocks and head groups.
     grad_weight = kv.new_zeros(weight_shape, dtype=_weight_dtype(k_norm_weight))
     if weight_partials is not None:
