@@ -283,7 +283,8 @@ def _load_cos_sin(cos_sin_ref, positions, rotated_tokens, frequencies, frequenci
                 eviction_policy="evict_last")[:, None, :]
     sin = _load(cos_sin_ref.at[position_index, cos_sin_ref.shape[1] // 2 + frequency_index], mask=cos_sin_ok,
                 other=0.0, eviction_policy="evict_last")[:, None, :]
-    return cos, sin
+    # A bf16 or fp16 table is converted as it is loaded (an fp32 one as it is).
+    return cos.astype(jnp.float32), sin.astype(jnp.float32)
 
 
 def _inverse_rms(sum_squares, eps, head_dim: int, rotatable):
@@ -618,7 +619,8 @@ def fused_kv_norm_rope(
       k_norm_weight: float[n_layers, head_dim], or None for a draft without a K-norm (K is
         then RoPE of the projected K, rounded once).
       eps: fp32[n_layers]; None exactly when ``k_norm_weight`` is.
-      cos_sin_cache: fp32[max_pos, rotary_dim], row p = cos values then sin values.
+      cos_sin_cache: fp32/bf16/fp16[max_pos, rotary_dim], row p = cos values then sin values;
+        read as fp32.
       positions: int32/int64[total_ctx]. With x64 off jax holds int64 as int32: a host
         (NumPy) int64 array is narrowed here with out-of-range values kept out of range;
         a jax array is already int32. A position outside ``[0, max_pos)`` gives an

@@ -113,7 +113,7 @@ class FusedKVMaterializer:
         torch tensors on the device to run on; validated by
         :func:`~interop.core.materializer.validate_layers` (the first layer that
         differs from layer 0 is named).
-      cos_sin_cache: optional fp32[max_position, rotary_dim] replacing the table that
+      cos_sin_cache: optional fp32/bf16/fp16[max_position, rotary_dim] replacing the table that
         is otherwise built from the layers' ``rope.base``.
     """
 

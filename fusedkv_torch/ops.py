@@ -341,7 +341,8 @@ def fused_kv_norm_rope(
       k_norm_weight: float[n_layers, head_dim], or None for a draft without a K-norm (K is
         then RoPE of the projected K, rounded once).
       eps: fp32[n_layers]; None exactly when ``k_norm_weight`` is.
-      cos_sin_cache: fp32[max_pos, rotary_dim], row p = rotary_dim/2 cos values then sin values.
+      cos_sin_cache: fp32/bf16/fp16[max_pos, rotary_dim], row p = rotary_dim/2 cos values then sin
+        values; read as fp32.
       positions: int32/int64[total_ctx], any device (moved to kv's). A position outside
         [0, max_pos) gives an all-NaN K row, unless ``check_positions`` raises for it.
       v_multiplier: optional fp32[n_layers]: V is ``v * v_multiplier[l]`` in fp32, rounded

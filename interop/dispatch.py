@@ -76,7 +76,7 @@ def fused_kv_norm_rope(
       kv: bf16/fp16/fp32[total_ctx, n_layers, 2*kv_size], any object with ``__dlpack__``.
       k_norm_weight: float[n_layers, head_dim], or None (no K-norm).
       eps: fp32[n_layers]; None exactly when ``k_norm_weight`` is.
-      cos_sin_cache: fp32[max_pos, rotary_dim].
+      cos_sin_cache: fp32/bf16/fp16[max_pos, rotary_dim], read as fp32.
       positions: int32/int64[total_ctx].
       v_multiplier: optional fp32[n_layers]: V is ``v * v_multiplier[l]``, rounded once.
       k_out, v_out: optional dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim]

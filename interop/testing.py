@@ -46,9 +46,11 @@ def random_inputs(
     max_position: int = 32768,
     position_dtype: str = "int32",
     weight_dtype: str = "float32",
+    table_dtype: str = "float32",
     seed: int = 0,
 ) -> OpInputs:
-    """Fresh random inputs: gaussian kv, weights near 1, eps in [1e-6, 1e-5), random positions."""
+    """Fresh random inputs: gaussian kv, weights near 1, eps in [1e-6, 1e-5), random positions,
+    the standard RoPE table rounded to ``table_dtype``."""
     rng = np.random.default_rng(seed)
     kv = rng.standard_normal((total_ctx, n_layers, 2 * config.kv_size), dtype=np.float32)
     k_norm_weight = 1.0 + 0.25 * rng.standard_normal((n_layers, config.head_dim), dtype=np.float32)
@@ -58,7 +60,7 @@ def random_inputs(
         kv=(2.0 * kv).astype(numpy_dtype(dtype)),
         k_norm_weight=k_norm_weight.astype(numpy_dtype(weight_dtype)),
         eps=eps,
-        cos_sin_cache=rope_cos_sin_cache(max_position, config.rotary_dim),
+        cos_sin_cache=rope_cos_sin_cache(max_position, config.rotary_dim).astype(numpy_dtype(table_dtype)),
         positions=positions.astype(numpy_dtype(position_dtype)),
     )
 

@@ -280,6 +280,20 @@ class TestMaterializer:
         assert_close(k, k_expected)
         assert_bit_exact(v, v_expected)
 
+    def test_a_given_cos_sin_cache_in_the_model_dtype_is_read_as_fp32(self, backend):
+        table = rope_cos_sin_cache(256, OP.rotary_dim).astype(numpy_dtype("bfloat16"))
+        s = setup(backend, total_ctx=4, cos_sin_cache=backend.put(table))
+        kv = s.kv()
+        k, v = s.materializer.materialize(s.ctx_hidden, s.positions)
+        k_expected, v_expected = fused_kv_norm_rope_reference(
+            kv, *stacked_op_arrays(s.case.layers, table), s.case.positions, **s.materializer.config.op_kwargs())
+        assert_close(k, k_expected)
+        assert_bit_exact(v, v_expected)
+        k_cache, v_cache = s.into_cache(backend.put(np.arange(4)), poisoned((3, 4, 2, 32), "bfloat16", seed=6),
+                                        poisoned((3, 4, 2, 32), "bfloat16", seed=7))
+        assert_close(k_cache, k_expected, name="k_cache")
+        assert_bit_exact(v_cache, v_expected, name="v_cache")
+
     @pytest.mark.gpu
     def test_real_sizes_match_the_reference_on_every_path(self, backend):
         if self.interpret:

@@ -235,6 +235,21 @@ class TestOp:
         doubled = (2 * inputs.kv[:, 1, config.kv_size:].astype(np.float32)).astype(inputs.kv.dtype)
         assert_bit_exact(host(v)[1], doubled.reshape(4, 2, 64), name="v")
 
+    @pytest.mark.parametrize("table_dtype", ["bfloat16", "float16"])
+    def test_a_table_in_the_model_dtype_is_read_as_fp32(self, backend, table_dtype):
+        config = FusedKVConfig(2, 32, 16, "gptj")
+        inputs = random_inputs(config, n_layers=2, total_ctx=4, max_position=64, seed=34)
+        table = inputs.cos_sin_cache.astype(numpy_dtype(table_dtype))
+        arrays = (inputs.kv, inputs.k_norm_weight, inputs.eps, table, inputs.positions)
+        k, v = backend.kernel.fused_kv_norm_rope(*(backend.put(a) for a in arrays), **static(config))
+        expected_k, expected_v = fused_kv_norm_rope_reference(*arrays, **static(config))
+        assert_close(k, expected_k)
+        assert_bit_exact(v, expected_v)
+        # One conversion per element loaded: the same K as the table converted to fp32 beforehand.
+        upcast = arrays[:3] + (table.astype(np.float32), inputs.positions)
+        k_upcast, _ = backend.kernel.fused_kv_norm_rope(*(backend.put(a) for a in upcast), **static(config))
+        assert_bit_exact(k, host(k_upcast), name="k")
+
     # Edge values (README, "Edge values"): each against the reference and the rule itself.
 
     @ieee_edge
@@ -491,6 +506,17 @@ class TestCacheOp:
         assert_fp8_close(v, expected_v, name="v", triton_interpreter=backend.triton_interpreter)
 
 
+    def test_a_table_in_the_model_dtype_serves_the_cache_variant(self, backend):
+        config = FusedKVConfig(2, 32, 32, "neox")
+        inputs = random_inputs(config, n_layers=2, total_ctx=4, max_position=64, seed=35)
+        arrays = inputs.arrays()[:3] + (inputs.cos_sin_cache.astype(numpy_dtype("bfloat16")), inputs.positions)
+        slots = np.array([4, -1, 0, 2])
+        before = poisoned((2, 6, 2, 32), "bfloat16", seed=35)
+        (k, v), (expected_k, expected_v) = run_cache_op(backend, arrays, slots, before, before, config)
+        assert_close(k, expected_k, name="k_cache")
+        assert_bit_exact(v, expected_v, name="v_cache")
+
+
 class TestCacheOpInterpreted(TestCacheOp):
     """``fused_kv_norm_rope_into_cache``: the interpreted twin."""
 
@@ -545,6 +571,9 @@ BAD_CALLS = {
     "eps_dtype_float16": (dict(eps=lambda a: a["eps"].astype(np.float16)),
                           "Invalid eps dtype for fused KV materialization: got float16, expected one of "
                           "('float32',)."),
+    "cos_sin_cache_dtype": (dict(cos_sin_cache=lambda a: a["cos_sin_cache"].astype(np.float64)),
+                            "Invalid cos_sin_cache dtype for fused KV materialization: got float64, expected "
+                            "one of ('float32', 'bfloat16', 'float16')."),
     "cos_sin_cache_width": (dict(cos_sin_cache=lambda a: a["cos_sin_cache"][:, :16]),
                             "Invalid cos_sin_cache shape for fused KV materialization: got (16, 16), "
                             "expected (max_pos, 32) with max_pos > 0."),

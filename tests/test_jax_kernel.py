@@ -457,6 +457,14 @@ def test_mosaic_matches_reference(config, n_layers, total_ctx, dtype, position_d
     _assert_matches_reference(k, v, host, config)
 
 
+@pytest.mark.parametrize("table_dtype", ["bfloat16", "float16"])
+def test_mosaic_reads_a_table_in_the_model_dtype_as_fp32(table_dtype):
+    config = FusedKVConfig(1, 32, 32, "neox")
+    host = _inputs(config, n_layers=1, total_ctx=64, seed=35, table_dtype=table_dtype)
+    k, v = fused_kv_norm_rope(*host, **_static(config), lowering="mosaic_gpu")
+    _assert_matches_reference(k, v, host, config)
+
+
 def test_mosaic_out_of_range_positions_give_nan_rows_and_keep_v():
     config = FusedKVConfig(1, 32, 32, "neox")
     kv, weight, eps, cos_sin, _ = _inputs(config, n_layers=1, total_ctx=64, seed=31)

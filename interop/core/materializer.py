@@ -192,7 +192,7 @@ def validate_layers(layers: Sequence[LayerKV], cos_sin_cache=None, *,
     Then the op's own validation (:func:`interop.core.spec.validate_call`) runs on the
     stacked shapes: the rotary/head dim pair, the rope style, the kv dtype (the
     weights' dtype, that of the GEMM's output) and the cos/sin table, which is either
-    ``cos_sin_cache`` (fp32[rope.max_position, rotary_dim]) or built from ``rope.base``.
+    ``cos_sin_cache`` (fp32/bf16/fp16[rope.max_position, rotary_dim]) or built from ``rope.base``.
     """
     layers = tuple(layers)
     if not layers:

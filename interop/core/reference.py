@@ -63,7 +63,8 @@ def fused_kv_norm_rope_reference(
       k_norm_weight: float[n_layers, head_dim], or None for a draft without a K-norm
         (K is then RoPE of the projected K, not normalized).
       eps: fp32[n_layers]; None exactly when ``k_norm_weight`` is.
-      cos_sin_cache: fp32[max_pos, rotary_dim], row p = cos values then sin values.
+      cos_sin_cache: fp32/bf16/fp16[max_pos, rotary_dim], row p = cos values then sin
+        values; read as fp32.
       positions: int32/int64[total_ctx].
       v_multiplier: fp32[n_layers] or None: V is ``v * v_multiplier[l]`` rounded once
         (None: V is copied bit for bit).

@@ -29,6 +29,8 @@ import numpy as np
 ROPE_STYLES = ("neox", "gptj")
 KV_DTYPES = ("bfloat16", "float16", "float32")
 POSITION_DTYPES = ("int32", "int64")
+# The cos/sin table is read as fp32 in the kernels, so a table kept in the model's dtype serves too.
+ROPE_TABLE_DTYPES = ("float32", "bfloat16", "float16")
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 # int64 indices narrowed to int32 saturate into this range: a position or slot past it is
@@ -345,7 +347,7 @@ def _check_supported(kv, k_norm_weight, eps, cos_sin_cache, positions, config, t
         ("kv", kv, KV_DTYPES),
         ("k_norm_weight", k_norm_weight, _FLOAT_DTYPES),
         ("eps", eps, ("float32",)),
-        ("cos_sin_cache", cos_sin_cache, ("float32",)),
+        ("cos_sin_cache", cos_sin_cache, ROPE_TABLE_DTYPES),
         ("positions", positions, POSITION_DTYPES),
     ):
         if array is not None and dtype_name(array.dtype) not in allowed:
