@@ -503,6 +503,9 @@ BAD_LOWERINGS = [
      "Invalid lowering for fused KV materialization: got 'mosaic_gpu' for rope_style='neox', "
      "head_dim=32, rotary_dim=32, dtype=float32, expected 'triton' (Mosaic GPU takes bf16/fp16 "
      "neox with rotary halves and tail in multiples of 8 columns and 32 bytes, head_dim <= 256)."),
+    (dict(lowering="mosaic_gpu", layer_rope_table=np.zeros(2, np.int32)),
+     "Invalid lowering for fused KV materialization: got 'mosaic_gpu' for a call with a layer_rope_table, "
+     "expected 'triton' (the Mosaic GPU kernel reads one cos/sin table for every layer)."),
     (dict(lowering="mosaic_gpu", block_tokens=4),
      "Invalid tile override for fused KV materialization: got block_tokens/block_heads/num_warps "
      "with lowering='mosaic_gpu', expected them only with the Triton lowering."),
@@ -514,6 +517,8 @@ def test_bad_lowering_raises_its_message(overrides, message):
     overrides = dict(overrides)
     config = FusedKVConfig(2, 32, 32, overrides.pop("rope_style", "neox"))
     host = _inputs(config, n_layers=2, total_ctx=64, seed=33, dtype=overrides.pop("dtype", "bfloat16"))
+    if "layer_rope_table" in overrides:
+        host = (*host[:3], np.stack([host[3]] * 2), host[4])
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         fused_kv_norm_rope(*host, **_static(config), **overrides)
 
