@@ -17,7 +17,7 @@ import numpy as np
 
 from interop.core.arrays import as_numpy, numpy_dtype
 from interop.core.materializer import (LayerKV, RopeConfig, materializer_reference, stacked_op_arrays,
-                                      stacked_v_multiplier, validate_layers)
+                                      stacked_rope_tables, stacked_v_multiplier, validate_layers)
 from interop.core.reference import (fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference,
                                     rope_cos_sin_cache)
 from interop.core.spec import FusedKVConfig, dtype_name
@@ -337,7 +337,8 @@ class MaterializerCase:
         arrays and positions; given ``cache_loc``, ``k_cache``, ``v_cache`` (and scales), the
         reference of the op written into those caches."""
         arrays = (kv, *stacked_op_arrays(self.layers), self.positions)
-        static = dict(validate_layers(self.layers).op_kwargs(), v_multiplier=stacked_v_multiplier(self.layers))
+        static = dict(validate_layers(self.layers).op_kwargs(), v_multiplier=stacked_v_multiplier(self.layers),
+                      layer_rope_table=stacked_rope_tables(self.layers)[1])
         if not cache:
             return fused_kv_norm_rope_reference(*arrays, **static)
         return fused_kv_norm_rope_into_cache_reference(*arrays, **cache, **static)
