@@ -140,21 +140,26 @@ def _pallas_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multipl
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def differentiable_launch(options: tuple, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest,
-                          v_multiplier):
+                          v_multiplier, layer_rope_table):
     """:func:`fusedkv_jax.kernel._launch` of a call without a cache, differentiable:
     ``options`` are its static arguments as ``tuple(dict.items())``."""
     return _launch(kv, k_norm_weight, eps, cos_sin_cache, positions, None, k_dest, v_dest, None, None,
-                   v_multiplier, **dict(options))
+                   v_multiplier, layer_rope_table, **dict(options))
 
 
-def _forward(options, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, v_multiplier):
+def _forward(options, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, v_multiplier,
+             layer_rope_table):
     outputs = differentiable_launch(options, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest,
-                                    v_multiplier)
-    return outputs, (kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier)
+                                    v_multiplier, layer_rope_table)
+    return outputs, (kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table)
 
 
 def _backward(options, residuals, cotangents):
-    kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier = residuals
+    kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table = residuals
+    if layer_rope_table is not None:
+        raise ValueError(
+            "Invalid layer_rope_table for fused KV materialization: got per-layer tables in a differentiated "
+            "call, expected None there (the backward pass reads one 2-D cos_sin_cache).")
     grad_k, grad_v = cotangents
     options = dict(options)
     grad_kv, grad_weight, grad_multiplier = _pallas_backward(
@@ -162,7 +167,7 @@ def _backward(options, residuals, cotangents):
         grad_v.astype(kv.dtype), config=options["config"], block_tokens=options["block_tokens"],
         block_heads=options["block_heads"], num_warps=options["num_warps"], interpret=options["interpret"])
     # None: a zero cotangent (eps, the table, positions, and outputs the forward overwrote whole).
-    return grad_kv, grad_weight, None, None, None, None, None, grad_multiplier
+    return grad_kv, grad_weight, None, None, None, None, None, grad_multiplier, None
 
 
 differentiable_launch.defvjp(_forward, _backward)

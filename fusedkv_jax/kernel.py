@@ -143,7 +143,7 @@ def _destination_rows(tokens, in_context, slots_ref, num_rows: int):
 
 
 def _layer_value(ref, layer):
-    """The layer's entry of a per-layer vector (eps, a scale, a V multiplier); None without one."""
+    """The layer's entry of a per-layer vector (eps, a scale, a V multiplier, a table index); None without one."""
     return None if ref is None else _load(ref.at[layer], mask=None, other=None)
 
 
@@ -272,18 +272,35 @@ def _load_layer(kv_ref, weight_ref, eps_ref, head_rows: _HeadRows, layer, *, v_c
     return _LayerTile(layer, v, eps, form, k, weight)
 
 
-def _load_cos_sin(cos_sin_ref, positions, rotated_tokens, frequencies, frequencies_ok):
-    """The cos and sin of each token's position at ``frequencies``, ``[tokens, 1, frequencies]``:
-    1 and 0 for a token not ``rotated_tokens`` (``[tokens, 1]``), whose row is never read."""
+def _load_cos_sin(cos_sin_ref, table, positions, rotated_tokens, frequencies, frequencies_ok):
+    """The cos and sin of each token's position at ``frequencies``, ``[tokens, 1, frequencies]``,
+    in the one table (``table`` None) or in table ``table`` of a 3-D ``cos_sin_ref``: 1 and 0
+    for a token not ``rotated_tokens`` (``[tokens, 1]``), whose row is never read."""
     position_index, frequency_index = positions[:, None], frequencies[None, :]
     cos_sin_ok = rotated_tokens & frequencies_ok[None, :]
+    in_table = () if table is None else (table,)
     # cos/sin rows kept in L2 (evict_last): every program rereads the small table while kv
     # and the outputs pass through once, and a program's first stores wait on this chain.
-    cos = _load(cos_sin_ref.at[position_index, frequency_index], mask=cos_sin_ok, other=1.0,
+    cos = _load(cos_sin_ref.at[(*in_table, position_index, frequency_index)], mask=cos_sin_ok, other=1.0,
                 eviction_policy="evict_last")[:, None, :]
-    sin = _load(cos_sin_ref.at[position_index, cos_sin_ref.shape[1] // 2 + frequency_index], mask=cos_sin_ok,
-                other=0.0, eviction_policy="evict_last")[:, None, :]
-    return cos, sin
+    sin = _load(cos_sin_ref.at[(*in_table, position_index, cos_sin_ref.shape[-1] // 2 + frequency_index)],
+                mask=cos_sin_ok, other=0.0, eviction_policy="evict_last")[:, None, :]
+    # A bf16 or fp16 table is converted as it is loaded (an fp32 one as it is).
+    return cos.astype(jnp.float32), sin.astype(jnp.float32)
+
+
+def _layer_rope(cos_sin_ref, table_ref, positions, in_context, rotatable, frequencies, layer):
+    """``(cos, sin, rotatable)`` of the tokens in the layer's table (:func:`_load_cos_sin`, at the
+    columns ``frequencies()`` traces): the one table where ``table_ref`` is None (``layer``
+    unused), else table ``layer_rope_table[layer]``, whose tokens are not ``rotatable`` where
+    that index is outside ``[0, n_tables)``."""
+    table = None
+    if table_ref is not None:
+        table = _layer_value(table_ref, layer)
+        named = (table >= 0) & (table < cos_sin_ref.shape[0])
+        rotatable, table = rotatable & named, jnp.where(named, table, 0)
+    cos, sin = _load_cos_sin(cos_sin_ref, table, positions, (in_context & rotatable)[:, None], *frequencies())
+    return cos, sin, rotatable
 
 
 def _inverse_rms(sum_squares, eps, head_dim: int, rotatable):
@@ -353,15 +370,17 @@ def _store_head_rows(dest_ref, scale_ref, layer, pieces, *, rows, heads, written
 
 def _fused_kv_norm_rope_kernel(
     kv_ref, cos_sin_ref, positions_ref, weight_ref, eps_ref, slots_ref, k_scale_ref, v_scale_ref,
-    v_multiplier_ref, k_given_ref, v_given_ref, k_dest_ref, v_dest_ref, *,
+    v_multiplier_ref, layer_rope_table_ref, k_given_ref, v_given_ref, k_dest_ref, v_dest_ref, *,
     num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str, k_rows: bool,
     block_tokens: int, block_layers: int, block_heads: int, interpret: bool,
 ):
     """One ``[block_tokens, block_heads, head_dim]`` tile of K and V for each of
-    ``block_layers`` layers, which share the tile's cos/sin rows.
+    ``block_layers`` layers, which share the tile's cos/sin rows (each layer loads its own
+    from its table where there are several).
 
     Refs are whole arrays: ``kv[total_ctx, n_layers, 2*kv_size]``, ``cos_sin[max_pos,
-    rotary_dim]``, ``positions[total_ctx]``, ``weight[n_layers, head_dim]`` and
+    rotary_dim]`` (or ``[n_tables, max_pos, rotary_dim]`` with ``layer_rope_table[n_layers]``),
+    ``positions[total_ctx]``, ``weight[n_layers, head_dim]`` and
     ``eps[n_layers]`` (a K-norm), ``slots[total_ctx]``, ``k_scale``, ``v_scale`` and
     ``v_multiplier[n_layers]``, the destinations as given (aliased, unread), and the
     destinations ``k_dest, v_dest[n_layers, rows, num_kv_heads, head_dim]``. What a call
@@ -383,10 +402,11 @@ def _fused_kv_norm_rope_kernel(
                                    v_columns=(v_columns, v_columns_ok), k_form=k_form, head_dim=head_dim,
                                    rotary_dim=rotary_dim, rope_style=rope_style)
     layers = [load_layer(first_layer + i) for i in range(min(LAYERS_IN_FLIGHT, block_layers))]
-    rotatable = (positions >= 0) & (positions < cos_sin_ref.shape[0])
-    # An out-of-range position is never read: its row is masked and becomes NaN.
-    cos, sin = _load_cos_sin(cos_sin_ref, positions, (in_context & rotatable)[:, None],
-                             *k_form.frequencies(head_dim, rotary_dim, rope_style))
+    rotatable = (positions >= 0) & (positions < cos_sin_ref.shape[-2])
+    # An out-of-range position (or table index) is never read: its row is masked and becomes NaN.
+    layer_rope = functools.partial(_layer_rope, cos_sin_ref, layer_rope_table_ref, positions, in_context, rotatable,
+                                   functools.partial(k_form.frequencies, head_dim, rotary_dim, rope_style))
+    shared_rope = layer_rope(None) if layer_rope_table_ref is None else None
     # Skipped rows point one past the end: masked on the GPU, and dropped (not written
     # back with a stale value) by interpret mode's scatter.
     rows = jnp.where(written, rows, k_dest_ref.shape[1])[:, None, None]
@@ -398,7 +418,8 @@ def _fused_kv_norm_rope_kernel(
         # move them past (it cannot tell kv from the outputs).
         if step + LAYERS_IN_FLIGHT < block_layers:
             layers.append(load_layer(first_layer + step + LAYERS_IN_FLIGHT))
-        inv_rms = _inverse_rms(tile.k_form.sum_squares(tile.k), tile.eps, head_dim, rotatable)
+        cos, sin, rotated = shared_rope if shared_rope is not None else layer_rope(tile.layer)
+        inv_rms = _inverse_rms(tile.k_form.sum_squares(tile.k), tile.eps, head_dim, rotated)
         k = tile.k_form.rope(tile.k, tile.weight, inv_rms, cos, sin)
         v = _multiply_v(tile.v, v_multiplier_ref, tile.layer)
         store(k_dest_ref, k_scale_ref, tile.layer, k)
@@ -486,8 +507,8 @@ def _multiprocessors() -> int:
 @functools.partial(jax.jit, static_argnames=(
     "config", "block_tokens", "block_heads", "num_warps", "layer_loop", "k_rows", "interpret"))
 def _launch(kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dest, v_dest,
-            k_scale, v_scale, v_multiplier, *, config: FusedKVConfig, block_tokens, block_heads, num_warps,
-            layer_loop, k_rows, interpret):
+            k_scale, v_scale, v_multiplier, layer_rope_table=None, *, config: FusedKVConfig, block_tokens,
+            block_heads, num_warps, layer_loop, k_rows, interpret):
     """:func:`_pallas_launch`, run by each device on its tokens and layers under a sharded jit.
 
     On one device, and inside ``jax.shard_map``, it is :func:`_pallas_launch` itself
@@ -495,7 +516,7 @@ def _launch(kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dest, v_d
     """
     return partitioned(
         _pallas_launch, (kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dest, v_dest,
-                         k_scale, v_scale, v_multiplier),
+                         k_scale, v_scale, v_multiplier, layer_rope_table),
         config=config, block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps,
         layer_loop=layer_loop, k_rows=k_rows, interpret=interpret)
 
@@ -510,8 +531,8 @@ def _varying_axes(arrays) -> jax.sharding.ManualAxisType:
 
 
 def _pallas_launch(kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_dest, v_dest,
-                   k_scale, v_scale, v_multiplier, *, config: FusedKVConfig, block_tokens, block_heads,
-                   num_warps, layer_loop, k_rows, interpret):
+                   k_scale, v_scale, v_multiplier, layer_rope_table, *, config: FusedKVConfig, block_tokens,
+                   block_heads, num_warps, layer_loop, k_rows, interpret):
     """The one ``pallas_call``: writes ``[n_layers, rows, heads, head_dim]`` K and V.
 
     ``slots`` None: row ``t`` is token ``t`` and ``rows == total_ctx``; else token ``t``
@@ -525,7 +546,8 @@ def _pallas_launch(kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_de
     shape = config.output_shape(n_layers, total_ctx)
     destinations = (k_dest, v_dest)
     # The kernel's refs in its order; a None is no operand, and the kernel gets None for it.
-    inputs = (kv, cos_sin_cache, positions, k_norm_weight, eps, slots, k_scale, v_scale, v_multiplier, *destinations)
+    inputs = (kv, cos_sin_cache, positions, k_norm_weight, eps, slots, k_scale, v_scale, v_multiplier,
+              layer_rope_table, *destinations)
     operands = [a for a in inputs if a is not None]
     # Inside jax.shard_map (check_vma, its default) each output must say which mesh axes
     # it varies over; jax 0.10-0.11 spell that ShapeDtypeStruct(manual_axis_type=...).
@@ -597,6 +619,7 @@ def fused_kv_norm_rope(
     num_warps: int | None = None,
     interpret: bool | None = None,
     lowering: str | None = None,
+    layer_rope_table=None,
 ):
     """RMSNorm + RoPE on K, V passed through, for all layers in one kernel.
 
@@ -618,7 +641,9 @@ def fused_kv_norm_rope(
       k_norm_weight: float[n_layers, head_dim], or None for a draft without a K-norm (K is
         then RoPE of the projected K, rounded once).
       eps: fp32[n_layers]; None exactly when ``k_norm_weight`` is.
-      cos_sin_cache: fp32[max_pos, rotary_dim], row p = cos values then sin values.
+      cos_sin_cache: fp32/bf16/fp16[max_pos, rotary_dim], row p = cos values then sin values;
+        read as fp32. Or ``[n_tables, max_pos, rotary_dim]``, one table per RoPE, with
+        ``layer_rope_table``.
       positions: int32/int64[total_ctx]. With x64 off jax holds int64 as int32: a host
         (NumPy) int64 array is narrowed here with out-of-range values kept out of range;
         a jax array is already int32. A position outside ``[0, max_pos)`` gives an
@@ -640,6 +665,9 @@ def fused_kv_norm_rope(
       interpret: run in Pallas interpret mode; None means "when ``kv`` is on the CPU".
       lowering: ``"triton"``, ``"mosaic_gpu"``, or None for the default of the
         configuration (:func:`default_lowering`).
+      layer_rope_table: int32[n_layers], exactly with a 3-D ``cos_sin_cache``: layer l is
+        rotated by table ``layer_rope_table[l]``; an index outside [0, n_tables) gives that
+        layer an all-NaN K. The Triton lowering only.
 
     Returns:
       ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim].
@@ -649,12 +677,12 @@ def fused_kv_norm_rope(
     outputs, given_kv = (("k_out", k_out), ("v_out", v_out)), kv
     check_arrays((("kv", kv), ("k_norm_weight", k_norm_weight), ("eps", eps),
                   ("cos_sin_cache", cos_sin_cache), ("positions", positions), ("v_multiplier", v_multiplier),
-                  *outputs), "jax")
+                  *outputs, ("layer_rope_table", layer_rope_table)), "jax")
     kv, k_out, v_out = (_on_default_device(a) for a in (kv, k_out, v_out))
     accepted = accept_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
-        v_multiplier=v_multiplier,
+        v_multiplier=v_multiplier, layer_rope_table=layer_rope_table,
     )
     # On the caller's own arrays: a NumPy array's memory is not seen once moved to jax.
     check_output_buffers(given_kv, outputs)
@@ -664,7 +692,7 @@ def fused_kv_norm_rope(
         accepted, kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier=v_multiplier, k_out=k_out,
         v_out=v_out,
         block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps, interpret=interpret,
-        lowering=lowering)
+        lowering=lowering, layer_rope_table=layer_rope_table)
 
 
 def _position_range(positions) -> tuple[int, int]:
@@ -681,7 +709,7 @@ def _position_range(positions) -> tuple[int, int]:
 
 def fused_kv_norm_rope_accepted(accepted: AcceptedCall, kv, k_norm_weight, eps, cos_sin_cache, positions, *,
                                 v_multiplier=None, k_out=None, v_out=None, block_tokens=None, block_heads=None,
-                                num_warps=None, interpret=None, lowering=None):
+                                num_warps=None, interpret=None, lowering=None, layer_rope_table=None):
     """:func:`fused_kv_norm_rope` on jax arrays (and NumPy ones but ``kv``) that were
     validated as ``accepted`` (``interop.core.spec.accept_call``, then ``check_output_buffers``):
     those checks are not run again. ``interop``'s and :func:`fused_kv_norm_rope`'s own path;
@@ -690,7 +718,8 @@ def fused_kv_norm_rope_accepted(accepted: AcceptedCall, kv, k_norm_weight, eps, 
     options = _launch_options(call, kv, block_tokens, block_heads, num_warps, interpret)
     lowering = _lowering(lowering, call, kv.dtype, options["interpret"],
                          tuned=(block_tokens, block_heads, num_warps) != (None, None, None),
-                         plain=k_norm_weight is not None and v_multiplier is None)
+                         plain=k_norm_weight is not None and v_multiplier is None,
+                         one_table=layer_rope_table is None)
     if call.total_ctx == 0 or call.n_layers == 0:
         empty = jnp.empty(call.output_shape, kv.dtype)
         return (empty if k_out is None else k_out), (empty if v_out is None else v_out)
@@ -700,7 +729,7 @@ def fused_kv_norm_rope_accepted(accepted: AcceptedCall, kv, k_norm_weight, eps, 
                                     config=call.config, interpret=options["interpret"])
     # Differentiable (jax.grad, jax.vjp): fusedkv_jax.backward's custom_vjp around the same launch.
     return backward.differentiable_launch(tuple(options.items()), kv, k_norm_weight, eps, cos_sin_cache, positions,
-                                          k_out, v_out, v_multiplier)
+                                          k_out, v_out, v_multiplier, layer_rope_table)
 
 
 def _launch_options(call: CallShape, kv, block_tokens, block_heads, num_warps, interpret) -> dict:
@@ -732,9 +761,10 @@ def default_lowering(config: FusedKVConfig, kv_dtype, *, interpret: bool = False
     return "triton"
 
 
-def _lowering(lowering, call, kv_dtype, interpret: bool, *, tuned: bool, plain: bool) -> str:
+def _lowering(lowering, call, kv_dtype, interpret: bool, *, tuned: bool, plain: bool, one_table: bool) -> str:
     """The lowering named (checked against what it can run), or the default. ``plain``: the
-    call has a K-norm and no V multiplier, the only form the Mosaic GPU kernel has."""
+    call has a K-norm and no V multiplier, and ``one_table``: one cos/sin table for every
+    layer, the only form the Mosaic GPU kernel has."""
     if lowering is None:
         return default_lowering(call.config, kv_dtype, interpret=interpret)
     if lowering not in LOWERINGS:
@@ -753,6 +783,10 @@ def _lowering(lowering, call, kv_dtype, interpret: bool, *, tuned: bool, plain: 
             raise ValueError("Invalid lowering for fused KV materialization: got 'mosaic_gpu' for a call "
                              "without a K-norm or with a v_multiplier, expected 'triton' (the Mosaic GPU "
                              "kernel normalizes K and copies V).")
+        if not one_table:
+            raise ValueError("Invalid lowering for fused KV materialization: got 'mosaic_gpu' for a call with a "
+                             "layer_rope_table, expected 'triton' (the Mosaic GPU kernel reads one cos/sin table "
+                             "for every layer).")
         if tuned:
             raise ValueError("Invalid tile override for fused KV materialization: got "
                              "block_tokens/block_heads/num_warps with lowering='mosaic_gpu', "
@@ -786,6 +820,7 @@ def fused_kv_norm_rope_into_cache(
     block_heads: int | None = None,
     num_warps: int | None = None,
     interpret: bool | None = None,
+    layer_rope_table=None,
 ):
     """:func:`fused_kv_norm_rope` written straight into slot ``cache_loc[t]`` of paged caches.
 
@@ -804,6 +839,7 @@ def fused_kv_norm_rope_into_cache(
       k_scale, v_scale: fp32[n_layers], for (and only for) a float8_e4m3fn cache.
       v_multiplier: as for :func:`fused_kv_norm_rope`; an fp8 V cache holds
         ``(v * v_multiplier[l]) / v_scale[l]``.
+      layer_rope_table: as for :func:`fused_kv_norm_rope`.
 
     Returns:
       ``(k_cache, v_cache)`` updated.
@@ -811,12 +847,13 @@ def fused_kv_norm_rope_into_cache(
     caches, given_kv = (("k_cache", k_cache), ("v_cache", v_cache)), kv
     check_arrays((("kv", kv), ("k_norm_weight", k_norm_weight), ("eps", eps),
                   ("cos_sin_cache", cos_sin_cache), ("positions", positions), ("cache_loc", cache_loc),
-                  *caches, ("k_scale", k_scale), ("v_scale", v_scale), ("v_multiplier", v_multiplier)), "jax")
+                  *caches, ("k_scale", k_scale), ("v_scale", v_scale), ("v_multiplier", v_multiplier),
+                  ("layer_rope_table", layer_rope_table)), "jax")
     kv, k_cache, v_cache = (_on_default_device(a) for a in (kv, k_cache, v_cache))
     call = accept_cache_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale, v_scale,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
-        v_multiplier=v_multiplier,
+        v_multiplier=v_multiplier, layer_rope_table=layer_rope_table,
     ).shape
     check_output_buffers(given_kv, caches)
     options = _launch_options(call, kv, block_tokens, block_heads, num_warps, interpret)
@@ -825,7 +862,7 @@ def fused_kv_norm_rope_into_cache(
     positions = narrow_for_jax(positions)
     cache_loc = narrow_for_jax(cache_loc)
     return _launch(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-                   k_scale, v_scale, v_multiplier, **options)
+                   k_scale, v_scale, v_multiplier, layer_rope_table, **options)
 
 
 # Last: the backward's module builds on this one's helpers.

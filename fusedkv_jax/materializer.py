@@ -26,7 +26,7 @@ from fusedkv_jax.kernel import on_cpu, fused_kv_norm_rope, fused_kv_norm_rope_in
 from fusedkv_jax.indices import narrow_for_jax
 from interop.core.checkpoint import read_checkpoint_layers
 from interop.core.materializer import (FP8_E4M3_MAX, MIN_ACTIVATION_AMAX, LayerKV, MaterializerConfig,
-                                      validate_layers, validate_materialize)
+                                      stacked_rope_tables, validate_layers, validate_materialize)
 from interop.core.spec import check_output_buffers
 
 
@@ -51,13 +51,17 @@ class FusedKVMaterializer:
         jax (or NumPy) arrays; validated by
         :func:`~interop.core.materializer.validate_layers` (the first layer that
         differs from layer 0 is named).
-      cos_sin_cache: optional fp32[max_position, rotary_dim] replacing the table that
-        is otherwise built from the layers' ``rope.base``.
+      cos_sin_cache: optional fp32/bf16/fp16[max_position, rotary_dim] replacing the table that
+        is otherwise built from the layers' ropes (one table per distinct rope: layers of
+        another RoPE base or scaling get their own, in the same launch); or
+        ``[n_tables, max_position, rotary_dim]`` with ``layer_rope_table``.
+      layer_rope_table: int32[n_layers], each layer's table in a given 3-D ``cos_sin_cache``.
     """
 
-    def __init__(self, layers: Sequence[LayerKV], *, cos_sin_cache: jax.Array | None = None):
+    def __init__(self, layers: Sequence[LayerKV], *, cos_sin_cache: jax.Array | None = None,
+                 layer_rope_table: jax.Array | None = None):
         layers = tuple(layers)
-        self.config = validate_layers(layers, cos_sin_cache, accepted="jax")
+        self.config = validate_layers(layers, cos_sin_cache, layer_rope_table=layer_rope_table, accepted="jax")
         self.kv_proj_weight = jnp.concatenate([jnp.asarray(layer.kv_proj_weight) for layer in layers])
         self.kv_proj_bias = self.k_norm_weight = self.eps = self.v_multiplier = None  # a draft without them
         self.weight_scale = None
@@ -73,8 +77,10 @@ class FusedKVMaterializer:
             self.eps = jnp.asarray([float(layer.eps) for layer in layers], dtype=jnp.float32)
         if self.config.v_multiplied:
             self.v_multiplier = jnp.asarray([float(layer.v_multiplier) for layer in layers], dtype=jnp.float32)
-        self.cos_sin_cache = jnp.asarray(
-            layers[0].rope.cos_sin_cache() if cos_sin_cache is None else cos_sin_cache)
+        if cos_sin_cache is None:
+            cos_sin_cache, layer_rope_table = stacked_rope_tables(layers)
+        self.cos_sin_cache = jnp.asarray(cos_sin_cache)
+        self.layer_rope_table = None if layer_rope_table is None else jnp.asarray(layer_rope_table)
 
     @classmethod
     def from_pretrained(cls, path, *, layers: Sequence[int] | None = None, dtype=None,
@@ -104,14 +110,14 @@ class FusedKVMaterializer:
     def tree_flatten(self):
         # The arrays with a row per stacked output row first: head-parallel sharding splits them.
         return (self.kv_proj_weight, self.kv_proj_bias, self.weight_scale, self.k_norm_weight, self.eps,
-                self.cos_sin_cache, self.v_multiplier), self.config
+                self.cos_sin_cache, self.v_multiplier, self.layer_rope_table), self.config
 
     @classmethod
     def tree_unflatten(cls, config, leaves):
         materializer = object.__new__(cls)
         materializer.config = config
         (materializer.kv_proj_weight, materializer.kv_proj_bias, materializer.weight_scale, materializer.k_norm_weight,
-         materializer.eps, materializer.cos_sin_cache, materializer.v_multiplier) = leaves
+         materializer.eps, materializer.cos_sin_cache, materializer.v_multiplier, materializer.layer_rope_table) = leaves
         return materializer
 
     def project(self, ctx_hidden: jax.Array) -> jax.Array:
@@ -277,7 +283,7 @@ def _op_arrays(materializer: FusedKVMaterializer, ctx_hidden: jax.Array, positio
 def _materialize(materializer, ctx_hidden, positions, *, interpret, fp8_gemm):
     return fused_kv_norm_rope(*_op_arrays(materializer, ctx_hidden, positions, fp8_gemm),
                               **materializer.config.op_kwargs(), v_multiplier=materializer.v_multiplier,
-                              interpret=interpret)
+                              interpret=interpret, layer_rope_table=materializer.layer_rope_table)
 
 
 @functools.partial(jax.jit, donate_argnames=("k_cache", "v_cache"), static_argnames=("interpret", "fp8_gemm"))
@@ -286,4 +292,4 @@ def _materialize_into_cache(materializer, ctx_hidden, positions, cache_loc, k_ca
     return fused_kv_norm_rope_into_cache(
         *_op_arrays(materializer, ctx_hidden, positions, fp8_gemm), cache_loc, k_cache, v_cache,
         **materializer.config.op_kwargs(), k_scale=k_scale, v_scale=v_scale, v_multiplier=materializer.v_multiplier,
-        interpret=interpret)
+        interpret=interpret, layer_rope_table=materializer.layer_rope_table)

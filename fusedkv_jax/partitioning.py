@@ -18,8 +18,8 @@ What is split, and what is not:
 
 * ``kv[total_ctx, n_layers, 2*kv_size]`` along tokens and/or layers, the outputs
   ``[n_layers, total_ctx, heads, head_dim]`` the same way; ``positions`` follow the
-  tokens, ``k_norm_weight``, ``eps`` (and fp8 scales, a V multiplier) the layers; ``cos_sin_cache`` is
-  replicated (a slice of it per device would need every position's row).
+  tokens, ``k_norm_weight``, ``eps`` (and fp8 scales, a V multiplier, the layers' table indices) the
+  layers; ``cos_sin_cache`` is replicated (a slice of it per device would need every position's row).
 * Never ``kv``'s last dimension: per token and layer it holds every K head, then every
   V head, so a split of it is not a split by heads (the first half of the devices
   would get only K). Heads are split by ``jax.shard_map`` over ``kv`` laid out shard
@@ -49,25 +49,28 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 # The launcher's array arguments, in its order, and the dimensions of each as factors
-# of the sharding rule: t tokens, l layers, c kv columns, d head_dim, h heads, m rows of
-# the cos/sin table, r rotary_dim, s cache slots.
+# of the sharding rule: t tokens, l layers, c kv columns, d head_dim, h heads, n cos/sin
+# tables, m rows of a table, r rotary_dim, s cache slots.
 _OPERANDS = ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "slots",
-             "k_dest", "v_dest", "k_scale", "v_scale", "v_multiplier")
+             "k_dest", "v_dest", "k_scale", "v_scale", "v_multiplier", "layer_rope_table")
 _FACTORS = {"kv": "t l c", "k_norm_weight": "l d", "eps": "l", "cos_sin_cache": "m r",
-            "positions": "t", "slots": "t", "k_scale": "l", "v_scale": "l", "v_multiplier": "l"}
+            "positions": "t", "slots": "t", "k_scale": "l", "v_scale": "l", "v_multiplier": "l",
+            "layer_rope_table": "l"}
+_TABLES_FACTORS = "n m r"  # a cos_sin_cache of one table per RoPE
 # Factors no device may hold a part of: the kernel needs whole heads, the whole table
 # and (for a cache) every slot. kv's columns ``c`` are left out so that the partition
 # callback sees, and refuses, a kv split along them instead of XLA gathering it.
-_WHOLE = ("d", "h", "m", "r", "s")
+_WHOLE = ("d", "h", "n", "m", "r", "s")
 
 
 def partitioned(launch, arrays, **static):
     """``launch(*arrays, **static)``, each device on its tokens and layers under a sharded jit.
 
-    ``arrays`` are the launcher's eleven array arguments in :data:`_OPERANDS` order, None
+    ``arrays`` are the launcher's twelve array arguments in :data:`_OPERANDS` order, None
     where absent (no ``slots``: the plain op; ``slots``: the op into a paged cache).
     """
-    present = tuple(array is not None for array in arrays)
+    # Each operand's rank (0: absent), which the sharding rule's factors follow.
+    present = tuple(0 if array is None else array.ndim for array in arrays)
     call = _partitioned_launch(launch, present, tuple(sorted(static.items())))
     split = _explicit_split(arrays)
     if split is None:
@@ -130,7 +133,8 @@ def _specs(tokens, layers, columns, slotted):
     specs = {"kv": PartitionSpec(tokens, layers, None), "k_norm_weight": PartitionSpec(layers, None),
              "eps": by_layer, "cos_sin_cache": PartitionSpec(None, None),
              "positions": PartitionSpec(tokens), "slots": PartitionSpec(tokens),
-             "k_dest": output, "v_dest": output, "k_scale": by_layer, "v_scale": by_layer, "v_multiplier": by_layer}
+             "k_dest": output, "v_dest": output, "k_scale": by_layer, "v_scale": by_layer, "v_multiplier": by_layer,
+             "layer_rope_table": by_layer}
     return specs, output
 
 
@@ -143,9 +147,10 @@ def _partitioned_launch(launch, present, static_items):
     def per_shard(*arrays):  # positional only: custom_partitioning binds no keywords
         return launch(*arrays, **static)
 
-    slotted = present[_OPERANDS.index("slots")]
+    slotted = bool(present[_OPERANDS.index("slots")])
     output = "l s h d" if slotted else "l t h d"
-    rule = (", ".join(_FACTORS.get(name, output) for name, given in zip(_OPERANDS, present) if given)
+    rule = (", ".join(_TABLES_FACTORS if name == "cos_sin_cache" and given == 3 else _FACTORS.get(name, output)
+                      for name, given in zip(_OPERANDS, present) if given)
             + f" -> {output}, {output}")
     factors = list(dict.fromkeys(re.findall(r"\w+", rule)))
     split = custom_partitioning(per_shard)

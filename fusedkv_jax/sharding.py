@@ -60,13 +60,14 @@ def head_parallel_materializer(
     axis_name: str,
     *,
     cos_sin_cache: jax.Array | None = None,
+    layer_rope_table: jax.Array | None = None,
 ) -> tuple[FusedKVMaterializer, FusedKVMaterializer]:
     """A materializer for ``jax.shard_map`` over ``axis_name``, each device its own heads, and its in_specs.
 
     Device ``r`` of the axis (of size ``R``) gets the column-parallel share of every
     layer (:func:`~interop.core.materializer.head_parallel_layers`: the K and V rows, and
-    biases, of heads ``[r*H/R, (r+1)*H/R)``); the k_norm weights, eps and cos/sin table are
-    replicated. Inside the ``shard_map`` the materializer is the one-device
+    biases, of heads ``[r*H/R, (r+1)*H/R)``); the k_norm weights, eps and cos/sin tables
+    (with their ``layer_rope_table``) are replicated. Inside the ``shard_map`` the materializer is the one-device
     materializer of that device's heads: ``materialize`` returns ``[n_layers,
     total_ctx, H/R, head_dim]`` (``out_specs=P(None, None, axis_name)`` assembles the
     heads in order), and ``materialize_into_cache`` writes caches split the same way.
@@ -79,7 +80,7 @@ def head_parallel_materializer(
     """
     num_shards = mesh.shape[axis_name]
     shares = [FusedKVMaterializer(head_parallel_layers(layers, rank, num_shards),
-                                  cos_sin_cache=cos_sin_cache)
+                                  cos_sin_cache=cos_sin_cache, layer_rope_table=layer_rope_table)
               for rank in range(num_shards)]
     config = shares[0].config
     by_head = PartitionSpec(axis_name)

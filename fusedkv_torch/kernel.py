@@ -186,6 +186,21 @@ def _inverse_rms(first, second, tail, eps, rotatable, weight_ptr, HEAD_DIM: tl.c
 
 
 @triton.jit
+def _layer_table(cos_sin_ptr, table_ptr, layer, table_stride, cos_sin_stride_table, n_tables, rotatable):
+    """The layer's cos/sin table, and which tokens have a row in it: the one table where
+    ``table_ptr`` is None, else table ``layer_rope_table[layer]``, and none where that index
+    is outside ``[0, n_tables)`` (its K is then NaN, and nothing of it is read)."""
+    table_base, rotatable_in_table = cos_sin_ptr, rotatable
+    if table_ptr is not None:
+        table = tl.load(table_ptr + layer * table_stride)
+        named = (table >= 0) & (table < n_tables)
+        table_base = cos_sin_ptr + tl.where(named, table, 0).to(tl.int64) * cos_sin_stride_table
+        # A select, not &: Triton's interpreter makes an int tensor of a bool one & a loaded bool scalar.
+        rotatable_in_table = tl.where(named, rotatable, False)
+    return table_base, rotatable_in_table
+
+
+@triton.jit
 def _rotate(first, second, cos, sin):
     """RoPE of every pair ``(first, second)``."""
     return first * cos - second * sin, second * cos + first * sin
@@ -236,16 +251,16 @@ def _store_head_rows(row_ptrs, stride, first, second, tail, mask, scale_ptr, sca
                  mask=mask & (tail_dims < HEAD_DIM))
 
 
-@triton.jit(do_not_specialize=["total_ctx", "max_position", "num_slots"])
+@triton.jit(do_not_specialize=["total_ctx", "max_position", "num_slots", "n_tables"])
 def _fused_kv_norm_rope_kernel(
     # Tensors (None where a call has none), then sizes, then strides, then constexprs:
     # the order DirectLauncher expects.
     kv_ptr, k_norm_weight_ptr, eps_ptr, cos_sin_ptr, positions_ptr, slots_ptr,
-    k_dest_ptr, v_dest_ptr, k_scale_ptr, v_scale_ptr, v_multiplier_ptr,
-    total_ctx, max_position, num_slots,
+    k_dest_ptr, v_dest_ptr, k_scale_ptr, v_scale_ptr, v_multiplier_ptr, layer_rope_table_ptr,
+    total_ctx, max_position, num_slots, n_tables,
     kv_stride_t, kv_stride_l, kv_stride_d,
-    weight_stride_l, weight_stride_d, eps_stride, cos_sin_stride_p, cos_sin_stride_d,
-    positions_stride, slots_stride, k_scale_stride, v_scale_stride, v_multiplier_stride,
+    weight_stride_l, weight_stride_d, eps_stride, cos_sin_stride_table, cos_sin_stride_p, cos_sin_stride_d,
+    positions_stride, slots_stride, k_scale_stride, v_scale_stride, v_multiplier_stride, layer_rope_table_stride,
     k_stride_l, k_stride_row, k_stride_h, k_stride_d,
     v_stride_l, v_stride_row, v_stride_h, v_stride_d,
     N_LAYERS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
@@ -257,9 +272,11 @@ def _fused_kv_norm_rope_kernel(
 
     What a call leaves out is None and carried by the helpers: ``slots_ptr`` (rows are
     the tokens), ``k_norm_weight_ptr`` and ``eps_ptr`` (no K-norm), the scales (no fp8
-    cache), ``v_multiplier_ptr`` (V copied). Every load is issued before any store
+    cache), ``v_multiplier_ptr`` (V copied), ``layer_rope_table_ptr`` (one cos/sin table for
+    every layer). Every load is issued before any store
     (destinations might alias inputs as far as the compiler knows, so it would not move
-    a load past a store), and none waits on another but the cos/sin rows on their positions.
+    a load past a store), and none waits on another but the cos/sin rows on their positions
+    (and the layer's table index).
     """
     if DEPENDENT_LAUNCH:
         # Let the kernel behind start launching now; read nothing until the one ahead (which
@@ -270,6 +287,9 @@ def _fused_kv_norm_rope_kernel(
     in_context = tokens < total_ctx
     loaded = in_context[:, None, None]
     positions = tl.load(positions_ptr + tokens * positions_stride, mask=in_context, other=0).to(tl.int64)
+    cos_sin_table, rotatable = _layer_table(cos_sin_ptr, layer_rope_table_ptr, layer, layer_rope_table_stride,
+                                            cos_sin_stride_table, n_tables,
+                                            (positions >= 0) & (positions < max_position))
     rows, written = _destination_rows(tokens, in_context, slots_ptr, slots_stride, num_slots)
     rows, written = rows[:, None, None], written[:, None, None]
 
@@ -282,10 +302,9 @@ def _fused_kv_norm_rope_kernel(
                 mask=loaded & (head_dims < HEAD_DIM))
 
     # The cos/sin rows come at K's [tokens, heads, dims] shape, as the weight rows do
-    # (_load_norm says why). A bad position is never read.
-    rotatable = (positions >= 0) & (positions < max_position)
+    # (_load_norm says why). A bad position or table index is never read.
     every_head = heads * 0
-    cos_sin_rows = (cos_sin_ptr + positions * cos_sin_stride_p)[:, None, None] + every_head
+    cos_sin_rows = (cos_sin_table + positions * cos_sin_stride_p)[:, None, None] + every_head
     cos, sin = _load_rotary_halves(cos_sin_rows, cos_sin_stride_d, (in_context & rotatable)[:, None, None] &
                                    (every_head == 0), BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, ROTARY_DIM, False)
     w_first, w_second, w_tail, eps = _load_norm(k_norm_weight_ptr, layer, weight_stride_l, weight_stride_d,
@@ -400,15 +419,19 @@ def _strides(tensor, ndim: int) -> tuple:
 
 
 def _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, cache_loc, k_scale,
-            v_scale, v_multiplier, compiled=None) -> None:
+            v_scale, v_multiplier, layer_rope_table=None, compiled=None) -> None:
     grid, constexprs, num_warps, dependent_launch = plan
+    # One table is table 0 of one: its table stride is never used.
+    table_strides = cos_sin_cache.stride() if layer_rope_table is not None else (0, *cos_sin_cache.stride())
     _launcher(
         grid,
-        (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_dest, v_dest, k_scale, v_scale, v_multiplier),
-        (kv.shape[0], cos_sin_cache.shape[0], k_dest.shape[1]),
-        (*kv.stride(), *_strides(k_norm_weight, 2), *_strides(eps, 1), *cos_sin_cache.stride(), *positions.stride(),
+        (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_dest, v_dest, k_scale, v_scale, v_multiplier,
+         layer_rope_table),
+        (kv.shape[0], cos_sin_cache.shape[-2], k_dest.shape[1],
+         1 if layer_rope_table is None else cos_sin_cache.shape[0]),
+        (*kv.stride(), *_strides(k_norm_weight, 2), *_strides(eps, 1), *table_strides, *positions.stride(),
          *_strides(cache_loc, 1), *_strides(k_scale, 1), *_strides(v_scale, 1), *_strides(v_multiplier, 1),
-         *k_dest.stride(), *v_dest.stride()),
+         *_strides(layer_rope_table, 1), *k_dest.stride(), *v_dest.stride()),
         constexprs, num_warps=num_warps, launch_pdl=dependent_launch, compiled=compiled,
     )
 
@@ -431,6 +454,7 @@ def launch(
     block_heads: Optional[int] = None,
     num_warps: Optional[int] = None,
     dependent_launch: Optional[bool] = None,
+    layer_rope_table: Optional[torch.Tensor] = None,
 ) -> None:
     """Launch the kernel on validated arguments already on ``kv``'s device; no sync.
 
@@ -446,4 +470,4 @@ def launch(
         dependent_launch = supports_dependent_launch(kv.device)
     plan = tuned_plan(config, total_ctx, n_layers, (block_tokens, block_heads, num_warps), dependent_launch)
     _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, cache_loc, k_scale, v_scale,
-            v_multiplier)
+            v_multiplier, layer_rope_table)

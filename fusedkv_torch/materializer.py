@@ -25,8 +25,8 @@ import torch
 from fusedkv_torch.modules import module_layers
 from fusedkv_torch.ops import fused_kv_norm_rope, prepare_cache_call, prepare_call, requires_grad
 from interop.core.checkpoint import read_checkpoint_layers
-from interop.core.materializer import (FP8_E4M3_MAX, MIN_ACTIVATION_AMAX, LayerKV, validate_layers,
-                                      validate_materialize, validate_reserve)
+from interop.core.materializer import (FP8_E4M3_MAX, MIN_ACTIVATION_AMAX, LayerKV, stacked_rope_tables,
+                                      validate_layers, validate_materialize, validate_reserve)
 from interop.core.spec import check_arrays
 
 
@@ -126,13 +126,17 @@ class FusedKVMaterializer:
         torch tensors on the device to run on; validated by
         :func:`~interop.core.materializer.validate_layers` (the first layer that
         differs from layer 0 is named).
-      cos_sin_cache: optional fp32[max_position, rotary_dim] replacing the table that
-        is otherwise built from the layers' ``rope.base``.
+      cos_sin_cache: optional fp32/bf16/fp16[max_position, rotary_dim] replacing the table that
+        is otherwise built from the layers' ropes (one table per distinct rope: layers of
+        another RoPE base or scaling get their own, in the same launch); or
+        ``[n_tables, max_position, rotary_dim]`` with ``layer_rope_table``.
+      layer_rope_table: int32[n_layers], each layer's table in a given 3-D ``cos_sin_cache``.
     """
 
-    def __init__(self, layers: Sequence[LayerKV], *, cos_sin_cache: torch.Tensor | None = None):
+    def __init__(self, layers: Sequence[LayerKV], *, cos_sin_cache: torch.Tensor | None = None,
+                 layer_rope_table: torch.Tensor | None = None):
         layers = tuple(layers)
-        self.config = validate_layers(layers, cos_sin_cache, accepted="torch")
+        self.config = validate_layers(layers, cos_sin_cache, layer_rope_table=layer_rope_table, accepted="torch")
         # Read again by every call autograd records, so that it follows the tensors' current values.
         self._layer_tensors = tuple((layer.kv_proj_weight, layer.kv_proj_bias, layer.k_norm_weight)
                                     for layer in layers)
@@ -157,8 +161,11 @@ class FusedKVMaterializer:
             self.v_multiplier = torch.tensor([float(layer.v_multiplier) for layer in layers], dtype=torch.float32,
                                              device=device)
         if cos_sin_cache is None:
-            cos_sin_cache = torch.from_numpy(layers[0].rope.cos_sin_cache())
+            tables, built_index = stacked_rope_tables(layers)
+            cos_sin_cache = torch.from_numpy(tables)
+            layer_rope_table = None if built_index is None else torch.from_numpy(built_index)
         self.cos_sin_cache = cos_sin_cache.to(device)
+        self.layer_rope_table = None if layer_rope_table is None else layer_rope_table.to(device)
         self._weight_t = weight.t()
         self._fp8_gemm = self.config.fp8_gemm_shapes and _has_fp8_tensor_cores(device)
         if self._fp8_gemm:
@@ -265,9 +272,10 @@ class FusedKVMaterializer:
             return self._materialize_differentiable(ctx_hidden, positions, max_position, k_out, v_out)
         kv, gemm_out = self._workspace_view(ctx_hidden, max_position)
         op_args = (kv, self.k_norm_weight, self.eps, self.cos_sin_cache, positions)
-        prepared = prepare_call(*op_args, *self._op_static, k_out, v_out, v_multiplier=self.v_multiplier)
+        prepared = prepare_call(*op_args, *self._op_static, k_out, v_out, v_multiplier=self.v_multiplier,
+                                layer_rope_table=self.layer_rope_table)
         self._project_into(gemm_out, ctx_hidden)
-        return prepared.launch(*op_args, k_out, v_out, False, self.v_multiplier)
+        return prepared.launch(*op_args, k_out, v_out, False, self.v_multiplier, self.layer_rope_table)
 
     def _materialize_differentiable(self, ctx_hidden, positions, max_position, k_out, v_out):
         """:meth:`materialize` as autograd records it: the weights stacked anew and a GEMM of its own."""
@@ -344,9 +352,10 @@ class FusedKVMaterializer:
         kv, gemm_out = self._workspace_view(ctx_hidden, max_position)
         op_args = (kv, self.k_norm_weight, self.eps, self.cos_sin_cache, positions,
                    cache_loc, stacked_k, stacked_v)
-        prepared = prepare_cache_call(*op_args, *self._op_static, k_scale, v_scale, v_multiplier=self.v_multiplier)
+        prepared = prepare_cache_call(*op_args, *self._op_static, k_scale, v_scale, v_multiplier=self.v_multiplier,
+                                      layer_rope_table=self.layer_rope_table)
         self._project_into(gemm_out, ctx_hidden)
-        prepared.launch_into_cache(*op_args, k_scale, v_scale, self.v_multiplier)
+        prepared.launch_into_cache(*op_args, k_scale, v_scale, self.v_multiplier, self.layer_rope_table)
         return k_cache, v_cache
 
     def _grow_workspace(self, numel: int) -> None:

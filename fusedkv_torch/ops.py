@@ -65,7 +65,7 @@ class PreparedCall:
         self.tile = tile
 
     def launch(self, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
-               check_positions: bool, v_multiplier=None) -> tuple[torch.Tensor, torch.Tensor]:
+               check_positions: bool, v_multiplier=None, layer_rope_table=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The op on the arguments :func:`prepare_call` accepted: ``(k_out, v_out)``,
         allocated here where None."""
         call = self.call
@@ -73,6 +73,8 @@ class PreparedCall:
             positions = positions.to(kv.device, non_blocking=True)
         if v_multiplier is not None:
             v_multiplier = v_multiplier.to(kv.device)
+        if layer_rope_table is not None:
+            layer_rope_table = layer_rope_table.to(kv.device)
         if check_positions and call.total_ctx:
             _check_positions_in_range(positions, call.max_position)
         if k_out is None:
@@ -85,10 +87,11 @@ class PreparedCall:
             config = call.config
             torch.ops.fusedkv.write_fused_kv_norm_rope(
                 kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
-                config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style, *self.tile, v_multiplier)
+                config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style, *self.tile, v_multiplier,
+                layer_rope_table)
         else:
             _launch(self.plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, None, None, None,
-                    v_multiplier, self.compiled)
+                    v_multiplier, layer_rope_table, self.compiled)
         return k_out, v_out
 
     def launch_differentiable(self, kv, k_norm_weight, eps, cos_sin_cache, positions, check_positions: bool,
@@ -107,7 +110,8 @@ class PreparedCall:
                                               v_multiplier)
 
     def launch_into_cache(self, kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-                          k_scale, v_scale, v_multiplier=None) -> tuple[torch.Tensor, torch.Tensor]:
+                          k_scale, v_scale, v_multiplier=None,
+                          layer_rope_table=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The op into a cache on the arguments :func:`prepare_cache_call` accepted."""
         call = self.call
         if call.total_ctx == 0 or call.n_layers == 0 or k_cache.shape[1] == 0:  # nothing to write
@@ -123,15 +127,17 @@ class PreparedCall:
             v_scale = v_scale.to(device)
         if v_multiplier is not None:
             v_multiplier = v_multiplier.to(device)
+        if layer_rope_table is not None:
+            layer_rope_table = layer_rope_table.to(device)
         if self.plan is None:
             config = call.config
             torch.ops.fusedkv.write_fused_kv_norm_rope_into_cache(
                 kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
                 config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style, k_scale, v_scale,
-                *self.tile, v_multiplier)
+                *self.tile, v_multiplier, layer_rope_table)
         else:
             _launch(self.plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_cache, v_cache, cache_loc,
-                    k_scale, v_scale, v_multiplier, self.compiled)
+                    k_scale, v_scale, v_multiplier, layer_rope_table, self.compiled)
         return k_cache, v_cache
 
 
@@ -153,7 +159,7 @@ class RefusedCall:
         self.message = str(error)
 
     def launch(self, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
-               check_positions: bool, v_multiplier=None) -> tuple[torch.Tensor, torch.Tensor]:
+               check_positions: bool, v_multiplier=None, layer_rope_table=None) -> tuple[torch.Tensor, torch.Tensor]:
         return self._refuse(k_out, v_out)
 
     def launch_differentiable(self, kv, k_norm_weight, eps, cos_sin_cache, positions, check_positions: bool,
@@ -161,7 +167,8 @@ class RefusedCall:
         return self._refuse()
 
     def launch_into_cache(self, kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-                          k_scale, v_scale, v_multiplier=None) -> tuple[torch.Tensor, torch.Tensor]:
+                          k_scale, v_scale, v_multiplier=None,
+                          layer_rope_table=None) -> tuple[torch.Tensor, torch.Tensor]:
         return self._refuse(k_cache, v_cache)
 
     def _refuse(self, *buffers) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,8 +254,9 @@ def requires_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def _check_differentiable_outputs(kv, k_norm_weight, v_multiplier, k_out, v_out) -> None:
-    """Refuse outputs given to a call autograd records: buffers written in place carry no gradient."""
+def _check_differentiable(kv, k_norm_weight, v_multiplier, k_out, v_out, layer_rope_table) -> None:
+    """Refuse what a call autograd records cannot take: outputs given (buffers written in place
+    carry no gradient) and per-layer tables (the backward kernel reads one table)."""
     if requires_grad(kv, k_norm_weight, v_multiplier):
         for name, out in (("k_out", k_out), ("v_out", v_out)):
             if out is not None:
@@ -256,26 +264,34 @@ def _check_differentiable_outputs(kv, k_norm_weight, v_multiplier, k_out, v_out)
                     f"Invalid {name} for fused KV materialization: got an output buffer while kv, k_norm_weight "
                     f"or v_multiplier requires grad, expected {name}=None there (outputs written in place carry "
                     "no gradient: the differentiable op allocates its own).")
+        if layer_rope_table is not None:
+            raise ValueError(
+                "Invalid layer_rope_table for fused KV materialization: got per-layer tables while kv, "
+                "k_norm_weight or v_multiplier requires grad, expected None there (the backward pass reads "
+                "one 2-D cos_sin_cache).")
 
 
 def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
-                 rope_style, k_out, v_out, tile: tuple = _NO_TILE, v_multiplier=None) -> PreparedCall | RefusedCall:
+                 rope_style, k_out, v_out, tile: tuple = _NO_TILE, v_multiplier=None,
+                 layer_rope_table=None) -> PreparedCall | RefusedCall:
     """A :func:`fused_kv_norm_rope` call validated, ready for :meth:`PreparedCall.launch`."""
     static = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
-                  v_multiplier=v_multiplier)
+                  v_multiplier=v_multiplier, layer_rope_table=layer_rope_table)
     if torch.compiler.is_compiling():
         prepared = _traced(accept_call, (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out), static,
                            tile)
         try:
-            _check_differentiable_outputs(kv, k_norm_weight, v_multiplier, k_out, v_out)
+            _check_differentiable(kv, k_norm_weight, v_multiplier, k_out, v_out, layer_rope_table)
         except ValueError as error:
             return prepared if isinstance(prepared, RefusedCall) else RefusedCall(error)
         return prepared
     if _functorch.maybe_current_level() is not None:  # inside vmap, grad...
-        _check_untransformed("fused_kv_norm_rope", _ARRAY_NAMES + ("k_out", "v_out", "v_multiplier"),
-                             (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, v_multiplier))
+        _check_untransformed("fused_kv_norm_rope", _ARRAY_NAMES + ("k_out", "v_out", "v_multiplier",
+                                                                   "layer_rope_table"),
+                             (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, v_multiplier,
+                              layer_rope_table))
     accepted = accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, **static, takes="torch")
-    _check_differentiable_outputs(kv, k_norm_weight, v_multiplier, k_out, v_out)
+    _check_differentiable(kv, k_norm_weight, v_multiplier, k_out, v_out, layer_rope_table)
     prepared = _prepared(accepted, kv, tile)
     if prepared.plan is not None:  # a kv without memory has no addresses to check
         check_output_buffers(kv, (("k_out", k_out), ("v_out", v_out)))
@@ -284,18 +300,20 @@ def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads,
 
 def prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
                        num_kv_heads, head_dim, rotary_dim, rope_style, k_scale,
-                       v_scale, tile: tuple = _NO_TILE, v_multiplier=None) -> PreparedCall | RefusedCall:
+                       v_scale, tile: tuple = _NO_TILE, v_multiplier=None,
+                       layer_rope_table=None) -> PreparedCall | RefusedCall:
     """A :func:`fused_kv_norm_rope_into_cache` call validated, ready for
     :meth:`PreparedCall.launch_into_cache`."""
     arrays = (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale, v_scale)
     static = dict(num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
-                  v_multiplier=v_multiplier)
+                  v_multiplier=v_multiplier, layer_rope_table=layer_rope_table)
     if torch.compiler.is_compiling():
         return _traced(accept_cache_call, arrays, static, tile)
     if _functorch.maybe_current_level() is not None:
         _check_untransformed("fused_kv_norm_rope_into_cache",
-                             _ARRAY_NAMES + ("cache_loc", "k_cache", "v_cache", "k_scale", "v_scale", "v_multiplier"),
-                             arrays + (v_multiplier,))
+                             _ARRAY_NAMES + ("cache_loc", "k_cache", "v_cache", "k_scale", "v_scale", "v_multiplier",
+                                             "layer_rope_table"),
+                             arrays + (v_multiplier, layer_rope_table))
     accepted = accept_cache_call(*arrays, **static, takes="torch")
     prepared = _prepared(accepted, kv, tile)
     if prepared.plan is not None:
@@ -321,19 +339,20 @@ def _write_fused_kv_norm_rope(
     cos_sin_cache: torch.Tensor, positions: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor,
     num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str,
     block_tokens: Optional[int] = None, block_heads: Optional[int] = None, num_warps: Optional[int] = None,
-    v_multiplier: Optional[torch.Tensor] = None,
+    v_multiplier: Optional[torch.Tensor] = None, layer_rope_table: Optional[torch.Tensor] = None,
 ) -> None:
     # Traced calls are validated while tracing, when addresses are not known yet: here they are.
     check_output_buffers(kv, (("k_out", k_out), ("v_out", v_out)))
     launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
            config=FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style), v_multiplier=v_multiplier,
-           block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps)
+           block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps,
+           layer_rope_table=layer_rope_table)
 
 
 @_write_fused_kv_norm_rope.register_fake
 def _write_fused_kv_norm_rope_fake(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
                                    num_kv_heads, head_dim, rotary_dim, rope_style, block_tokens=None,
-                                   block_heads=None, num_warps=None, v_multiplier=None):
+                                   block_heads=None, num_warps=None, v_multiplier=None, layer_rope_table=None):
     return None
 
 
@@ -372,6 +391,7 @@ def fused_kv_norm_rope(
     block_tokens: Optional[int] = None,
     block_heads: Optional[int] = None,
     num_warps: Optional[int] = None,
+    layer_rope_table: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm + RoPE on K, V passed through, for all layers (formula in the module docstring).
 
@@ -384,7 +404,9 @@ def fused_kv_norm_rope(
       k_norm_weight: float[n_layers, head_dim], or None for a draft without a K-norm (K is
         then RoPE of the projected K, rounded once).
       eps: fp32[n_layers]; None exactly when ``k_norm_weight`` is.
-      cos_sin_cache: fp32[max_pos, rotary_dim], row p = rotary_dim/2 cos values then sin values.
+      cos_sin_cache: fp32/bf16/fp16[max_pos, rotary_dim], row p = rotary_dim/2 cos values then sin
+        values; read as fp32. Or ``[n_tables, max_pos, rotary_dim]``, one table per RoPE, with
+        ``layer_rope_table``.
       positions: int32/int64[total_ctx], any device (moved to kv's). A position outside
         [0, max_pos) gives an all-NaN K row, unless ``check_positions`` raises for it.
       v_multiplier: optional fp32[n_layers]: V is ``v * v_multiplier[l]`` in fp32, rounded
@@ -398,6 +420,9 @@ def fused_kv_norm_rope(
       block_tokens, block_heads, num_warps: tile overrides (powers of two; ``block_heads``
         dividing ``num_kv_heads``) for tuning; :func:`fusedkv_torch.kernel.default_tile`
         otherwise.
+      layer_rope_table: int32[n_layers], any device (moved to kv's), exactly with a 3-D
+        ``cos_sin_cache``: layer l is rotated by table ``layer_rope_table[l]``; an index
+        outside [0, n_tables) gives that layer an all-NaN K.
 
     Returns:
       ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim]. Where
@@ -407,22 +432,23 @@ def fused_kv_norm_rope(
     """
     prepared = prepare_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, rope_style,
-        k_out, v_out, _tile(block_tokens, block_heads, num_warps), v_multiplier,
+        k_out, v_out, _tile(block_tokens, block_heads, num_warps), v_multiplier, layer_rope_table,
     )
     if requires_grad(kv, k_norm_weight, v_multiplier):
         return prepared.launch_differentiable(kv, k_norm_weight, eps, cos_sin_cache, positions, check_positions,
                                               v_multiplier)
     return prepared.launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, check_positions,
-                           v_multiplier)
+                           v_multiplier, layer_rope_table)
 
 
 def fused_kv_norm_rope_accepted(accepted: AcceptedCall, kv, k_norm_weight, eps, cos_sin_cache, positions, *,
-                                 v_multiplier=None, k_out=None, v_out=None) -> tuple[torch.Tensor, torch.Tensor]:
+                                 v_multiplier=None, k_out=None, v_out=None,
+                                 layer_rope_table=None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`fused_kv_norm_rope` on torch tensors made from arrays that ``interop`` validated
     as ``accepted`` (``interop.core.spec.accept_call``, then ``check_output_buffers``): those
     checks are not run again. Not for other callers: the public function checks everything."""
     return _prepared(accepted, kv).launch(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, False, v_multiplier)
+        kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, False, v_multiplier, layer_rope_table)
 
 
 @torch.library.custom_op("fusedkv::write_fused_kv_norm_rope_into_cache",
@@ -433,20 +459,21 @@ def _write_fused_kv_norm_rope_into_cache(
     v_cache: torch.Tensor, num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str,
     k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
     block_tokens: Optional[int] = None, block_heads: Optional[int] = None, num_warps: Optional[int] = None,
-    v_multiplier: Optional[torch.Tensor] = None,
+    v_multiplier: Optional[torch.Tensor] = None, layer_rope_table: Optional[torch.Tensor] = None,
 ) -> None:
     check_output_buffers(kv, (("k_cache", k_cache), ("v_cache", v_cache)))
     launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_cache, v_cache,
            config=FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style),
            cache_loc=cache_loc, k_scale=k_scale, v_scale=v_scale, v_multiplier=v_multiplier,
-           block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps)
+           block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps,
+           layer_rope_table=layer_rope_table)
 
 
 @_write_fused_kv_norm_rope_into_cache.register_fake
 def _write_fused_kv_norm_rope_into_cache_fake(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc,
                                               k_cache, v_cache, num_kv_heads, head_dim, rotary_dim,
                                               rope_style, k_scale, v_scale, block_tokens=None, block_heads=None,
-                                              num_warps=None, v_multiplier=None):
+                                              num_warps=None, v_multiplier=None, layer_rope_table=None):
     return None
 
 
@@ -470,6 +497,7 @@ def fused_kv_norm_rope_into_cache(
     block_tokens: Optional[int] = None,
     block_heads: Optional[int] = None,
     num_warps: Optional[int] = None,
+    layer_rope_table: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`fused_kv_norm_rope` written straight into a paged KV cache, one launch.
 
@@ -485,6 +513,7 @@ def fused_kv_norm_rope_into_cache(
       k_scale, v_scale: fp32[n_layers], only for a float8_e4m3fn cache, which then holds
         ``value / scale`` saturated to +-448, rounded once from fp32.
       v_multiplier: as for :func:`fused_kv_norm_rope`; an fp8 V cache holds ``(v * v_multiplier[l]) / v_scale[l]``.
+      layer_rope_table: as for :func:`fused_kv_norm_rope`.
 
     Returns:
       ``(k_cache, v_cache)``.
@@ -492,5 +521,6 @@ def fused_kv_norm_rope_into_cache(
     return prepare_cache_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, num_kv_heads, head_dim,
         rotary_dim, rope_style, k_scale, v_scale, _tile(block_tokens, block_heads, num_warps), v_multiplier,
+        layer_rope_table,
     ).launch_into_cache(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale,
-                        v_scale, v_multiplier)
+                        v_scale, v_multiplier, layer_rope_table)

@@ -66,6 +66,7 @@ def fused_kv_norm_rope(
     k_out=None,
     v_out=None,
     backend: str = "auto",
+    layer_rope_table=None,
 ):
     """RMSNorm + RoPE on K, V passed through, on any framework's arrays.
 
@@ -76,12 +77,14 @@ def fused_kv_norm_rope(
       kv: bf16/fp16/fp32[total_ctx, n_layers, 2*kv_size], any object with ``__dlpack__``.
       k_norm_weight: float[n_layers, head_dim], or None (no K-norm).
       eps: fp32[n_layers]; None exactly when ``k_norm_weight`` is.
-      cos_sin_cache: fp32[max_pos, rotary_dim].
+      cos_sin_cache: fp32/bf16/fp16[max_pos, rotary_dim], read as fp32.
       positions: int32/int64[total_ctx].
       v_multiplier: optional fp32[n_layers]: V is ``v * v_multiplier[l]``, rounded once.
       k_out, v_out: optional dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim]
         (see the module docstring for when they are written in place).
       backend: ``"torch"``, ``"jax"`` or ``"auto"``.
+      layer_rope_table: int32[n_layers], each layer's table, exactly with a 3-D
+        ``cos_sin_cache`` (``[n_tables, max_pos, rotary_dim]``, one table per RoPE).
 
     Returns:
       ``(k_out, v_out)`` as arrays of ``kv``'s framework.
@@ -89,24 +92,27 @@ def fused_kv_norm_rope(
     outputs = (("k_out", k_out), ("v_out", v_out))
     accepted = accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out,
                            num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-                           rope_style=rope_style, v_multiplier=v_multiplier, takes="any")
+                           rope_style=rope_style, v_multiplier=v_multiplier, takes="any",
+                           layer_rope_table=layer_rope_table)
     check_output_buffers(kv, outputs)
     # The route depends on the arrays' types only, which the accepted call's signature holds.
     route = accepted.prepared.get(("interop", backend)) if isinstance(backend, str) else None
     if route is None:  # the route raises for a backend that is not one
-        route = _Route(backend, (kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, k_out, v_out))
+        route = _Route(backend, (kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table,
+                                 k_out, v_out))
         accepted.prepared[("interop", backend)] = route
-    arrays = (kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier)
+    arrays = (kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table)
     in_place = {name: out for name, out in outputs if name in route.in_place}
     # Validated above on the caller's arrays, whose shapes, dtypes and devices crossing keeps.
     if not route.crosses:
         # Everything is the backend's already: nothing crosses either way, and its results
         # (the outputs given, written in place, or new arrays) are the caller's.
         return tuple(route.module.fused_kv_norm_rope_accepted(accepted, *arrays[:5], v_multiplier=arrays[5],
-                                                              **in_place))
+                                                              layer_rope_table=arrays[6], **in_place))
     inputs = cross(arrays, route.backend, one_launch=True)  # read by the backend's launch alone
     in_place = {name: to_framework(out, route.backend) for name, out in in_place.items()}
-    results = route.module.fused_kv_norm_rope_accepted(accepted, *inputs[:5], v_multiplier=inputs[5], **in_place)
+    results = route.module.fused_kv_norm_rope_accepted(accepted, *inputs[:5], v_multiplier=inputs[5],
+                                                       layer_rope_table=inputs[6], **in_place)
     return _deliver((k_out, v_out), results, route.caller, route.backend)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from interop.core.arrays import as_numpy, numpy_dtype
 from interop.core.materializer import (LayerKV, RopeConfig, materializer_reference, stacked_op_arrays,
-                                      stacked_v_multiplier, validate_layers)
+                                      stacked_rope_tables, stacked_v_multiplier, validate_layers)
 from interop.core.reference import (fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference,
                                     rope_cos_sin_cache)
 from interop.core.spec import FusedKVConfig, dtype_name
@@ -46,9 +46,11 @@ def random_inputs(
     max_position: int = 32768,
     position_dtype: str = "int32",
     weight_dtype: str = "float32",
+    table_dtype: str = "float32",
     seed: int = 0,
 ) -> OpInputs:
-    """Fresh random inputs: gaussian kv, weights near 1, eps in [1e-6, 1e-5), random positions."""
+    """Fresh random inputs: gaussian kv, weights near 1, eps in [1e-6, 1e-5), random positions,
+    the standard RoPE table rounded to ``table_dtype``."""
     rng = np.random.default_rng(seed)
     kv = rng.standard_normal((total_ctx, n_layers, 2 * config.kv_size), dtype=np.float32)
     k_norm_weight = 1.0 + 0.25 * rng.standard_normal((n_layers, config.head_dim), dtype=np.float32)
@@ -58,7 +60,7 @@ def random_inputs(
         kv=(2.0 * kv).astype(numpy_dtype(dtype)),
         k_norm_weight=k_norm_weight.astype(numpy_dtype(weight_dtype)),
         eps=eps,
-        cos_sin_cache=rope_cos_sin_cache(max_position, config.rotary_dim),
+        cos_sin_cache=rope_cos_sin_cache(max_position, config.rotary_dim).astype(numpy_dtype(table_dtype)),
         positions=positions.astype(numpy_dtype(position_dtype)),
     )
 
@@ -392,7 +394,8 @@ class MaterializerCase:
         arrays and positions; given ``cache_loc``, ``k_cache``, ``v_cache`` (and scales), the
         reference of the op written into those caches."""
         arrays = (kv, *stacked_op_arrays(self.layers), self.positions)
-        static = dict(validate_layers(self.layers).op_kwargs(), v_multiplier=stacked_v_multiplier(self.layers))
+        static = dict(validate_layers(self.layers).op_kwargs(), v_multiplier=stacked_v_multiplier(self.layers),
+                      layer_rope_table=stacked_rope_tables(self.layers)[1])
         if not cache:
             return fused_kv_norm_rope_reference(*arrays, **static)
         return fused_kv_norm_rope_into_cache_reference(*arrays, **cache, **static)

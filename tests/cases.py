@@ -18,11 +18,14 @@ import numpy as np
 from hypothesis import currently_in_test_context, note
 
 from interop.core.arrays import as_numpy, numpy_dtype
-from interop.core.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
+from interop.core.reference import (fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference,
+                                    rope_cos_sin_cache)
 from interop.core.spec import FusedKVConfig
 from interop.testing import assert_bit_exact, assert_close, assert_fp8_close, random_inputs
 
 FP8 = "float8_e4m3fn"
+# The bases of the tables a call of per-layer tables has (a full-attention and a sliding-window RoPE).
+ROPE_TABLES = (1e6, 1e4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +51,9 @@ class Call:
     # ones in torch, a NumPy array in jax; both kernels take them from any device.
     small_on_host: bool
     seed: int
+    table_dtype: str = "float32"
+    # Each layer's table among ROPE_TABLES (indices outside them included); () for one 2-D table.
+    layer_rope_tables: tuple[int, ...] = ()
 
     @property
     def config(self) -> FusedKVConfig:
@@ -67,11 +73,18 @@ class Call:
         inputs = random_inputs(self.config, n_layers=self.n_layers, total_ctx=self.total_ctx,
                                dtype=self.dtype, max_position=self.max_position,
                                position_dtype=self.position_dtype, weight_dtype=self.weight_dtype,
-                               seed=self.seed)
+                               table_dtype=self.table_dtype, seed=self.seed)
         positions = inputs.positions.copy()
         for token, position in self.out_of_range_positions:
             positions[token] = position
-        return (inputs.kv, inputs.k_norm_weight, inputs.eps, inputs.cos_sin_cache, positions)
+        table = inputs.cos_sin_cache
+        if self.layer_rope_tables:
+            table = np.stack([rope_cos_sin_cache(self.max_position, self.rotary_dim, base)
+                              for base in ROPE_TABLES]).astype(table.dtype)
+        return (inputs.kv, inputs.k_norm_weight, inputs.eps, table, positions)
+
+    def layer_rope_table(self) -> np.ndarray | None:
+        return np.array(self.layer_rope_tables, np.int32) if self.layer_rope_tables else None
 
     @property
     def bad_tokens(self) -> list[int]:
@@ -138,6 +151,12 @@ def _device_inputs(backend, call: Call, host):
             backend.put_small(positions, call.small_on_host)]
 
 
+def _layer_rope_table(backend, call: Call) -> dict:
+    """The call's ``layer_rope_table`` keyword, on the backend (none for one table)."""
+    table = call.layer_rope_table()
+    return {} if table is None else dict(layer_rope_table=backend.put_small(table, call.small_on_host))
+
+
 def _note_arrays(call: Call, **arrays):
     """Printed with a falsifying example (the seed makes them, but they are what matters)."""
     if currently_in_test_context() and call.total_ctx <= 64:
@@ -154,13 +173,15 @@ def check_op_case(backend, case: OpCase) -> None:
     if case.outputs_given:
         poison = np.full(call.output_shape, np.nan, np.float32).astype(numpy_dtype(call.dtype))
         outputs = dict(k_out=backend.put(poison), v_out=backend.put(poison))
-    k, v = backend.kernel.fused_kv_norm_rope(*_device_inputs(backend, call, host), **call.static, **outputs)
+    k, v = backend.kernel.fused_kv_norm_rope(*_device_inputs(backend, call, host), **call.static, **outputs,
+                                             **_layer_rope_table(backend, call))
     if case.outputs_given and backend.writes_in_place:
         assert k is outputs["k_out"] and v is outputs["v_out"], "given outputs are written in place"
     k, v = as_numpy(k), as_numpy(v)
     assert k.shape == v.shape == call.output_shape
     assert k.dtype == v.dtype == numpy_dtype(call.dtype)
-    expected_k, expected_v = fused_kv_norm_rope_reference(*host, **call.static)
+    expected_k, expected_v = fused_kv_norm_rope_reference(*host, **call.static,
+                                                          layer_rope_table=call.layer_rope_table())
     assert_close(k, expected_k)
     assert_bit_exact(v, expected_v)
     assert np.isnan(k[:, call.bad_tokens].astype(np.float32)).all(), "out-of-range positions give NaN K rows"
@@ -211,13 +232,13 @@ def check_cache_case(backend, case: CacheCase) -> None:
     k_cache, v_cache = backend.put(k_before), backend.put(v_before)
     k, v = backend.kernel.fused_kv_norm_rope_into_cache(
         *_device_inputs(backend, call, host), backend.put_small(slots, call.small_on_host), k_cache, v_cache,
-        **call.static,
+        **call.static, **_layer_rope_table(backend, call),
         **{name: backend.put_small(scale, call.small_on_host) for name, scale in scales.items()})
     if backend.writes_in_place:
         assert k is k_cache and v is v_cache, "caches are written in place"
     k, v = as_numpy(k), as_numpy(v)
     expected_k, expected_v = fused_kv_norm_rope_into_cache_reference(
-        *host, slots, k_before, v_before, **call.static, **scales)
+        *host, slots, k_before, v_before, **call.static, **scales, layer_rope_table=call.layer_rope_table())
 
     written = [int(slot) for slot in slots if 0 <= slot < case.num_slots]
     untouched = sorted(set(range(case.num_slots)) - set(written))

@@ -1,6 +1,7 @@
 """Compiles the Triton kernels (the forward and the backward) for a Hopper GPU without one (to
 PTX and a cubin, which Triton's own ptxas builds), for every form a call can take: each
-optional argument given or None, both RoPE styles, with and without an unrotated tail. Run by
+optional argument given or None (``layer_rope_table_ptr`` given: per-layer cos/sin tables),
+both RoPE styles, with and without an unrotated tail, an fp32 or a bf16 table. Run by
 test_torch_kernel.py in a process without TRITON_INTERPRET; exits non-zero on the first
 form that does not compile, printing it and the compiler's error."""
 
@@ -13,13 +14,15 @@ from triton.compiler import ASTSource
 
 from fusedkv_torch import backward, kernel
 
-OPTIONAL = ("k_norm_weight_ptr", "slots_ptr", "k_scale_ptr", "v_scale_ptr", "v_multiplier_ptr")
+OPTIONAL = ("k_norm_weight_ptr", "slots_ptr", "k_scale_ptr", "v_scale_ptr", "v_multiplier_ptr",
+            "layer_rope_table_ptr")
 TENSORS = {"kv_ptr": "*bf16", "k_norm_weight_ptr": "*fp32", "eps_ptr": "*fp32", "cos_sin_ptr": "*fp32",
            "positions_ptr": "*i32", "slots_ptr": "*i32", "k_dest_ptr": "*bf16", "v_dest_ptr": "*bf16",
-           "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "v_multiplier_ptr": "*fp32"}
+           "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "v_multiplier_ptr": "*fp32",
+           "layer_rope_table_ptr": "*i32"}
 
 
-def compile_form(given: set, gptj: bool, tail: int) -> None:
+def compile_form(given: set, gptj: bool, tail: int, table: str = "*fp32") -> None:
     function = kernel._fused_kv_norm_rope_kernel
     names = list(function.arg_names)
     head_dim = 128
@@ -31,7 +34,7 @@ def compile_form(given: set, gptj: bool, tail: int) -> None:
         absent = name in OPTIONAL and name not in given or name == "eps_ptr" and "k_norm_weight_ptr" not in given
         if name in TENSORS and not absent:
             quantized = name == "k_dest_ptr" and "k_scale_ptr" in given or name == "v_dest_ptr" and "v_scale_ptr" in given
-            signature[name] = "*fp8e4nv" if quantized else TENSORS[name]
+            signature[name] = "*fp8e4nv" if quantized else table if name == "cos_sin_ptr" else TENSORS[name]
         elif name in TENSORS or name in sizes:
             signature[name] = "constexpr"
             constants[(names.index(name),)] = sizes.get(name)
@@ -39,6 +42,7 @@ def compile_form(given: set, gptj: bool, tail: int) -> None:
             signature[name] = "i32"
     triton.compile(ASTSource(function, signature, constants), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4})
+
 
 BACKWARD_OPTIONAL = ("k_norm_weight_ptr", "v_multiplier_ptr")
 BACKWARD_TENSORS = {"kv_ptr": "*bf16", "k_norm_weight_ptr": "*fp32", "eps_ptr": "*fp32", "cos_sin_ptr": "*fp32",
@@ -73,11 +77,13 @@ def compile_backward_form(given: set, gptj: bool, tail: int) -> None:
 
 def main() -> int:
     forms = [set(), set(OPTIONAL)] + [set(OPTIONAL) - {name} for name in OPTIONAL]
-    for given, gptj, tail in itertools.product(forms, (False, True), (0, 64)):
+    shapes = [(gptj, tail, "*fp32") for gptj, tail in itertools.product((False, True), (0, 64))]
+    shapes.append((False, 0, "*bf16"))
+    for given, (gptj, tail, table) in itertools.product(forms, shapes):
         try:
-            compile_form(given, gptj, tail)
+            compile_form(given, gptj, tail, table)
         except Exception as error:  # the compiler's own errors, printed for the test's message
-            print(f"given={sorted(given)} gptj={gptj} tail={tail}: {type(error).__name__}: {error}")
+            print(f"given={sorted(given)} gptj={gptj} tail={tail} table={table}: {type(error).__name__}: {error}")
             return 1
     backward_forms = [set(), {"k_norm_weight_ptr"}, {"v_multiplier_ptr"}, set(BACKWARD_OPTIONAL)]
     for given, gptj, tail in itertools.product(backward_forms, (False, True), (0, 64)):

@@ -297,8 +297,18 @@ def test_json_names_each_option_as_its_flag(capsys):
     options = json.loads(capsys.readouterr().out)["options"]
     assert set(options) == flags
     assert options == {"layers": 2, "heads": 2, "head_dim": 32, "rotary_dim": 32, "rope_style": "neox",
-                       "dtype": "bfloat16", "tokens": 5, "max_position": 32768, "seed": 0,
+                       "dtype": "bfloat16", "table_dtype": "float32", "tokens": 5, "max_position": 32768, "seed": 0,
                        "backends": ["jax"]}
+
+
+def test_check_runs_a_table_in_the_model_dtype_on_every_backend(capsys):
+    assert cli.main(["check", *SMALL, "--table-dtype", "bfloat16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert ", bfloat16 cos/sin table, 5 tokens" in lines[0]
+    assert lines[-1] == "ALL PASS"
+    assert cli.main(["check", *SMALL, "--table-dtype", "float16", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["options"]["table_dtype"] == "float16"
 
 
 def test_check_with_its_defaults_compares_every_backend_and_pair(capsys):

@@ -20,7 +20,7 @@ import pytest
 from backends import host
 from cases import FP8, poisoned
 from interop.core.arrays import numpy_dtype
-from interop.core.materializer import projection_reference, stacked_op_arrays
+from interop.core.materializer import RopeConfig, projection_reference, stacked_op_arrays
 from interop.testing import random_case
 from interop.core.reference import fused_kv_norm_rope_reference, rope_cos_sin_cache
 from interop.core.spec import FusedKVConfig
@@ -279,6 +279,43 @@ class TestMaterializer:
         assert host(k).dtype == np.float32
         assert_close(k, k_expected)
         assert_bit_exact(v, v_expected)
+
+    def test_a_given_cos_sin_cache_in_the_model_dtype_is_read_as_fp32(self, backend):
+        table = rope_cos_sin_cache(256, OP.rotary_dim).astype(numpy_dtype("bfloat16"))
+        s = setup(backend, total_ctx=4, cos_sin_cache=backend.put(table))
+        kv = s.kv()
+        k, v = s.materializer.materialize(s.ctx_hidden, s.positions)
+        k_expected, v_expected = fused_kv_norm_rope_reference(
+            kv, *stacked_op_arrays(s.case.layers, table), s.case.positions, **s.materializer.config.op_kwargs())
+        assert_close(k, k_expected)
+        assert_bit_exact(v, v_expected)
+        k_cache, v_cache = s.into_cache(backend.put(np.arange(4)), poisoned((3, 4, 2, 32), "bfloat16", seed=6),
+                                        poisoned((3, 4, 2, 32), "bfloat16", seed=7))
+        assert_close(k_cache, k_expected, name="k_cache")
+        assert_bit_exact(v_cache, v_expected, name="v_cache")
+
+    def test_layers_of_another_rope_base_are_rotated_by_their_own_table_in_one_launch(self, backend):
+        case = random_case(OP, n_layers=3, hidden=64, total_ctx=5, max_position=256, seed=9)
+        sliding = RopeConfig(OP.rotary_dim, 256, base=500.0)
+        layers = list(case.layers)
+        layers[1] = dataclasses.replace(layers[1], rope=sliding)
+        case = dataclasses.replace(case, layers=tuple(layers))
+        materializer = backend.kernel.FusedKVMaterializer([_on(backend, layer) for layer in layers])
+        assert host(materializer.layer_rope_table).tolist() == [0, 1, 0]
+        ctx_hidden, positions = backend.put(case.ctx_hidden), backend.put(case.positions)
+        kv = host(materializer.project(ctx_hidden))
+        k, v = materializer.materialize(ctx_hidden, positions)
+        k_expected, v_expected = case.op_reference(kv)
+        assert_close(k, k_expected)
+        assert_bit_exact(v, v_expected)
+        # Layer 1 is what a materializer of the sliding table alone makes of it.
+        alone = backend.kernel.FusedKVMaterializer([_on(backend, layers[1])])
+        assert_bit_exact(host(k)[1], host(alone.materialize(ctx_hidden, positions)[0])[0], name="k")
+        k_cache, v_cache = Setup(backend, case, materializer, ctx_hidden, positions).into_cache(
+            backend.put(np.arange(5)), poisoned((3, 5, 2, 32), "bfloat16", seed=9),
+            poisoned((3, 5, 2, 32), "bfloat16", seed=10))
+        assert_close(k_cache, k_expected, name="k_cache")
+        assert_bit_exact(v_cache, v_expected, name="v_cache")
 
     @pytest.mark.gpu
     def test_real_sizes_match_the_reference_on_every_path(self, backend):

@@ -22,7 +22,7 @@ from cases import (FP8, CacheCase, Call, OpCase, check_cache_case, check_op_case
                    forgive_interpreters_fp8_ties, poisoned)
 from interop.core.arrays import numpy_dtype
 from interop.core.reference import (FP8_SCALE_MAX, FP8_SCALE_MIN, fused_kv_norm_rope_into_cache_reference,
-                               fused_kv_norm_rope_reference)
+                               fused_kv_norm_rope_reference, rope_cos_sin_cache)
 from interop.core.spec import FusedKVConfig, device_name
 from interop.testing import Tolerance, assert_bit_exact, assert_close, assert_fp8_close, compare, random_inputs
 
@@ -142,6 +142,12 @@ def all_nan(k, token, head) -> bool:
     return bool(np.isnan(k[0, token, head].astype(np.float32)).all())
 
 
+def per_layer_tables(max_position: int, rotary_dim: int, dtype: str) -> np.ndarray:
+    """Two RoPE tables of other bases (a full-attention and a sliding-window one), ``[2, max_pos, rotary_dim]``."""
+    return np.stack([rope_cos_sin_cache(max_position, rotary_dim, base)
+                     for base in (1e6, 1e4)]).astype(numpy_dtype(dtype))
+
+
 class TestOp:
     """``fused_kv_norm_rope``: compiled kernels."""
 
@@ -234,6 +240,56 @@ class TestOp:
         # A power of two scales exactly: layer 1's V is twice its input, bit for bit.
         doubled = (2 * inputs.kv[:, 1, config.kv_size:].astype(np.float32)).astype(inputs.kv.dtype)
         assert_bit_exact(host(v)[1], doubled.reshape(4, 2, 64), name="v")
+
+    @pytest.mark.parametrize("table_dtype", ["bfloat16", "float16"])
+    def test_a_table_in_the_model_dtype_is_read_as_fp32(self, backend, table_dtype):
+        config = FusedKVConfig(2, 32, 16, "gptj")
+        inputs = random_inputs(config, n_layers=2, total_ctx=4, max_position=64, seed=34)
+        table = inputs.cos_sin_cache.astype(numpy_dtype(table_dtype))
+        arrays = (inputs.kv, inputs.k_norm_weight, inputs.eps, table, inputs.positions)
+        k, v = backend.kernel.fused_kv_norm_rope(*(backend.put(a) for a in arrays), **static(config))
+        expected_k, expected_v = fused_kv_norm_rope_reference(*arrays, **static(config))
+        assert_close(k, expected_k)
+        assert_bit_exact(v, expected_v)
+        # One conversion per element loaded: the same K as the table converted to fp32 beforehand.
+        upcast = arrays[:3] + (table.astype(np.float32), inputs.positions)
+        k_upcast, _ = backend.kernel.fused_kv_norm_rope(*(backend.put(a) for a in upcast), **static(config))
+        assert_bit_exact(k, host(k_upcast), name="k")
+
+    @pytest.mark.parametrize("style, table_dtype", [("neox", "float32"), ("gptj", "bfloat16")])
+    def test_per_layer_tables_rotate_each_layer_by_the_table_it_names(self, backend, style, table_dtype):
+        config = FusedKVConfig(2, 32, 16, style)
+        inputs = random_inputs(config, n_layers=3, total_ctx=4, max_position=64, seed=36)
+        tables = per_layer_tables(64, 16, table_dtype)
+        layer_rope_table = np.array([1, 0, 1], np.int32)
+        arrays = inputs.arrays()[:3] + (tables, inputs.positions)
+        k, v = backend.kernel.fused_kv_norm_rope(*(backend.put(a) for a in arrays), **static(config),
+                                                 layer_rope_table=backend.put(layer_rope_table))
+        expected_k, expected_v = fused_kv_norm_rope_reference(*arrays, **static(config),
+                                                              layer_rope_table=layer_rope_table)
+        assert_close(k, expected_k)
+        assert_bit_exact(v, expected_v)
+        # Each layer's K is what the one-table op gives with that layer's table.
+        for table in (0, 1):
+            one_table = arrays[:3] + (tables[table], inputs.positions)
+            k_one, _ = backend.kernel.fused_kv_norm_rope(*(backend.put(a) for a in one_table), **static(config))
+            layers = layer_rope_table == table
+            assert_bit_exact(host(k)[layers], host(k_one)[layers], name="k")
+
+    @ieee_edge
+    def test_a_table_index_outside_the_tables_gives_that_layer_all_nan_k_and_exact_v(self, backend):
+        config = FusedKVConfig(2, 32, 32, "neox")
+        inputs = random_inputs(config, n_layers=4, total_ctx=3, max_position=64, seed=37)
+        layer_rope_table = np.array([2, 0, -1, 1], np.int32)
+        arrays = inputs.arrays()[:3] + (per_layer_tables(64, 32, "float32"), inputs.positions)
+        k, v = backend.kernel.fused_kv_norm_rope(*(backend.put(a) for a in arrays), **static(config),
+                                                 layer_rope_table=backend.put(layer_rope_table))
+        expected_k, expected_v = fused_kv_norm_rope_reference(*arrays, **static(config),
+                                                              layer_rope_table=layer_rope_table)
+        assert np.isnan(host(k)[[0, 2]].astype(np.float32)).all()
+        assert not np.isnan(host(k)[[1, 3]].astype(np.float32)).any()
+        assert_close(k, expected_k)
+        assert_bit_exact(v, expected_v)
 
     # Edge values (README, "Edge values"): each against the reference and the rule itself.
 
@@ -491,6 +547,34 @@ class TestCacheOp:
         assert_fp8_close(v, expected_v, name="v", triton_interpreter=backend.triton_interpreter)
 
 
+    def test_a_table_in_the_model_dtype_serves_the_cache_variant(self, backend):
+        config = FusedKVConfig(2, 32, 32, "neox")
+        inputs = random_inputs(config, n_layers=2, total_ctx=4, max_position=64, seed=35)
+        arrays = inputs.arrays()[:3] + (inputs.cos_sin_cache.astype(numpy_dtype("bfloat16")), inputs.positions)
+        slots = np.array([4, -1, 0, 2])
+        before = poisoned((2, 6, 2, 32), "bfloat16", seed=35)
+        (k, v), (expected_k, expected_v) = run_cache_op(backend, arrays, slots, before, before, config)
+        assert_close(k, expected_k, name="k_cache")
+        assert_bit_exact(v, expected_v, name="v_cache")
+
+
+    def test_per_layer_tables_serve_the_cache_variant(self, backend):
+        config = FusedKVConfig(1, 16, 16, "gptj")
+        inputs = random_inputs(config, n_layers=3, total_ctx=4, max_position=64, seed=38)
+        arrays = inputs.arrays()[:3] + (per_layer_tables(64, 16, "float16"), inputs.positions)
+        layer_rope_table = np.array([0, 3, 1], np.int32)
+        slots = np.array([4, -1, 0, 2])
+        before = poisoned((3, 6, 1, 16), "bfloat16", seed=38)
+        k_cache, v_cache = backend.put(before), backend.put(before.copy())
+        k, v = backend.kernel.fused_kv_norm_rope_into_cache(
+            *(backend.put(a) for a in arrays), backend.put(slots), k_cache, v_cache, **static(config),
+            layer_rope_table=backend.put(layer_rope_table))
+        expected_k, expected_v = fused_kv_norm_rope_into_cache_reference(
+            *arrays, slots, before, before, **static(config), layer_rope_table=layer_rope_table)
+        assert np.isnan(host(k)[1, [4, 0, 2]].astype(np.float32)).all()
+        assert_close(host(k), expected_k, name="k_cache")
+        assert_bit_exact(host(v), expected_v, name="v_cache")
+
 class TestCacheOpInterpreted(TestCacheOp):
     """``fused_kv_norm_rope_into_cache``: the interpreted twin."""
 
@@ -545,6 +629,9 @@ BAD_CALLS = {
     "eps_dtype_float16": (dict(eps=lambda a: a["eps"].astype(np.float16)),
                           "Invalid eps dtype for fused KV materialization: got float16, expected one of "
                           "('float32',)."),
+    "cos_sin_cache_dtype": (dict(cos_sin_cache=lambda a: a["cos_sin_cache"].astype(np.float64)),
+                            "Invalid cos_sin_cache dtype for fused KV materialization: got float64, expected "
+                            "one of ('float32', 'bfloat16', 'float16')."),
     "cos_sin_cache_width": (dict(cos_sin_cache=lambda a: a["cos_sin_cache"][:, :16]),
                             "Invalid cos_sin_cache shape for fused KV materialization: got (16, 16), "
                             "expected (max_pos, 32) with max_pos > 0."),
@@ -579,6 +666,15 @@ BAD_CALLS = {
     "v_multiplier_dtype": (dict(v_multiplier=lambda a: np.ones(2, np.float16)),
                            "Invalid v_multiplier for fused KV materialization: got float16(2,), expected "
                            "float32(2,) (a per-layer multiplier of V, or None)."),
+    "layer_rope_table_with_one_table": (
+        dict(layer_rope_table=lambda a: np.zeros(2, np.int32)),
+        "Invalid layer_rope_table for fused KV materialization: got an array with a 2-D cos_sin_cache, expected "
+        "None (one table serves every layer; a 3-D cos_sin_cache [n_tables, max_pos, rotary_dim] takes a table "
+        "index per layer)."),
+    "tables_without_layer_rope_table": (
+        dict(cos_sin_cache=lambda a: np.stack([a["cos_sin_cache"]] * 2)),
+        "Invalid layer_rope_table for fused KV materialization: got None with a 3-D cos_sin_cache of 2 tables, "
+        "expected int32(2,) naming each layer's table."),
     "block_tokens_3": (dict(block_tokens=3),
                        "Invalid block_tokens for fused KV materialization: got 3, expected a power of two."),
 }

@@ -23,6 +23,7 @@ safetensors_numpy = pytest.importorskip("safetensors.numpy")
 from backends import host  # noqa: E402
 from interop.core.arrays import numpy_dtype  # noqa: E402
 from interop.core.checkpoint import read_checkpoint_layers  # noqa: E402
+from interop.core.materializer import stacked_rope_tables  # noqa: E402
 from interop.core.reference import rope_cos_sin_cache  # noqa: E402
 from interop.core.rope import rope_frequencies  # noqa: E402
 from interop.core.spec import device_name  # noqa: E402
@@ -344,29 +345,43 @@ def test_only_the_k_v_projections_biases_and_k_norms_are_read(tmp_path, monkeypa
     assert sorted(read) == sorted(f"layers.{index}.self_attn.{name}.weight" for index in range(2) for name in ATTENTION)
 
 
-def test_layers_of_one_type_share_a_table_and_of_two_rope_types_are_refused(tmp_path):
+def test_layers_of_two_rope_types_get_a_table_each_and_transformers_k_per_type(backend, tmp_path):
     by_type = dict(full_attention=dict(rope_type="default", rope_theta=1e6),
                    sliding_attention=dict(rope_type="default", rope_theta=1e4))
-    _dflash_checkpoint(tmp_path, rope_theta=None, rope_parameters=by_type,
-                       layer_types=["full_attention", "sliding_attention"])
-    with pytest.raises(ValueError) as refused:
-        read_checkpoint_layers(tmp_path)
-    assert str(refused.value) == (
-        f"Invalid config['layer_types'] in {tmp_path / 'config.json'} for fused KV materialization: got layer types "
-        "('full_attention', 'sliding_attention') with different RoPE parameters among the draft layers, expected "
-        "draft layers sharing one rotary table (per-layer RoPE tables are not supported yet; layers= can pick "
-        "layers of one type).")
-    sliding, = read_checkpoint_layers(tmp_path, layers=[1], max_position=64)
-    np.testing.assert_array_equal(sliding.rope.cos_sin_cache(), rope_cos_sin_cache(64, 16, 1e4))
+    tensors = _dflash_checkpoint(tmp_path, rope_theta=None, rope_parameters=by_type,
+                                 layer_types=["full_attention", "sliding_attention"])
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RotaryEmbedding
+
+    hidden, positions = _inputs(seed=2)
+    expected = []
+    for index, theta in enumerate((1e6, 1e4)):  # each layer as transformers rotates its layer type
+        config = transformers.Qwen3Config(**TINY, rope_theta=theta)
+        attention = Qwen3Attention(config, layer_idx=index).float()
+        for name in ATTENTION:
+            getattr(attention, name).weight.data = torch.from_numpy(tensors[f"layers.{index}.self_attn.{name}.weight"])
+        k_layer, v_layer, normed_layer = _transformers_kv([attention], Qwen3RotaryEmbedding(config), hidden,
+                                                          positions, value_scales=((0.61, 0.71)[index],))
+        expected.append((k_layer, v_layer, normed_layer))
+    materializer = backend.kernel.FusedKVMaterializer.from_pretrained(
+        tmp_path, dtype=_framework(backend, "float32"), device=backend.device, max_position=MAX_POSITION)
+    assert host(materializer.layer_rope_table).tolist() == [0, 1]
+    assert tuple(host(materializer.cos_sin_cache).shape) == (2, MAX_POSITION, 16)
+    with _exact_fp32_dots(backend):
+        k, v = materializer.materialize(backend.put(hidden), backend.put(positions))
+    ropes = [layer.rope for layer in read_checkpoint_layers(tmp_path, max_position=MAX_POSITION)]
+    for index, (k_layer, v_layer, normed_layer) in enumerate(expected):
+        _assert_k_matches_transformers(host(k)[index:index + 1], k_layer, normed_layer, positions, ropes[index])
+        assert_close(host(v)[index:index + 1], v_layer.astype(np.float32), name="v")
 
 
 def test_a_sliding_window_rope_base_applies_to_the_sliding_layers(tmp_path):
     _dflash_checkpoint(tmp_path, swa_rope_theta=1e4, layer_types=["sliding_attention", "full_attention"])
-    sliding, full = (read_checkpoint_layers(tmp_path, layers=[index], max_position=64)[0] for index in (0, 1))
+    sliding, full = read_checkpoint_layers(tmp_path, max_position=64)
     np.testing.assert_array_equal(sliding.rope.cos_sin_cache(), rope_cos_sin_cache(64, 16, 1e4))
     np.testing.assert_array_equal(full.rope.cos_sin_cache(), rope_cos_sin_cache(64, 16, 1e6))
-    with pytest.raises(ValueError, match="per-layer RoPE tables are not supported yet"):
-        read_checkpoint_layers(tmp_path)
+    tables, layer_rope_table = stacked_rope_tables((sliding, full))
+    assert layer_rope_table.tolist() == [0, 1]
+    np.testing.assert_array_equal(tables[1], rope_cos_sin_cache(64, 16, 1e6))
 
 
 BF16 = numpy_dtype("bfloat16")

@@ -72,6 +72,34 @@ def test_every_caller_gets_reference_results_in_its_own_framework(caller, backen
 
 
 @pytest.mark.parametrize("backend", ["torch", "jax"])
+@pytest.mark.parametrize("caller, table_dtype", [("numpy", "bfloat16"), ("torch", "float16")])
+def test_a_table_in_the_model_dtype_crosses_as_it_is_and_is_read_as_fp32(caller, table_dtype, backend):
+    if caller == "numpy" and DEVICE == "cuda" and backend == "torch":
+        pytest.skip("NumPy arrays do not reach the Triton kernel on a GPU")
+    inputs = _inputs(seed=9, table_dtype=table_dtype)
+    k, v = interop.fused_kv_norm_rope(*(_as_caller(a, caller) for a in inputs.arrays()), **STATIC, backend=backend)
+    k_ref, v_ref = fused_kv_norm_rope_reference(*inputs.arrays(), **STATIC)
+    assert_close(k, k_ref)
+    assert_bit_exact(v, v_ref)
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+@pytest.mark.parametrize("caller", ["numpy", "torch", "jax"])
+def test_per_layer_tables_cross_with_their_layer_index(caller, backend):
+    if caller == "numpy" and DEVICE == "cuda" and backend == "torch":
+        pytest.skip("NumPy arrays do not reach the Triton kernel on a GPU")
+    inputs = _inputs(seed=11, n_layers=3)
+    tables = np.stack([inputs.cos_sin_cache, inputs.cos_sin_cache[::-1].copy()])
+    layer_rope_table = np.array([1, 0, 1], np.int32)
+    arrays = inputs.arrays()[:3] + (tables, inputs.positions)
+    k, v = interop.fused_kv_norm_rope(*(_as_caller(a, caller) for a in arrays), **STATIC, backend=backend,
+                                      layer_rope_table=_as_caller(layer_rope_table, caller))
+    k_ref, v_ref = fused_kv_norm_rope_reference(*arrays, **STATIC, layer_rope_table=layer_rope_table)
+    assert_close(k, k_ref)
+    assert_bit_exact(v, v_ref)
+
+
+@pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_given_torch_outputs_are_written_and_returned(backend):
     inputs = _inputs(seed=7)
     k_out = torch.full((2, 5, 2, 32), float("nan"), dtype=torch.bfloat16, device=DEVICE)

@@ -457,6 +457,14 @@ def test_mosaic_matches_reference(config, n_layers, total_ctx, dtype, position_d
     _assert_matches_reference(k, v, host, config)
 
 
+@pytest.mark.parametrize("table_dtype", ["bfloat16", "float16"])
+def test_mosaic_reads_a_table_in_the_model_dtype_as_fp32(table_dtype):
+    config = FusedKVConfig(1, 32, 32, "neox")
+    host = _inputs(config, n_layers=1, total_ctx=64, seed=35, table_dtype=table_dtype)
+    k, v = fused_kv_norm_rope(*host, **_static(config), lowering="mosaic_gpu")
+    _assert_matches_reference(k, v, host, config)
+
+
 def test_mosaic_out_of_range_positions_give_nan_rows_and_keep_v():
     config = FusedKVConfig(1, 32, 32, "neox")
     kv, weight, eps, cos_sin, _ = _inputs(config, n_layers=1, total_ctx=64, seed=31)
@@ -495,6 +503,9 @@ BAD_LOWERINGS = [
      "Invalid lowering for fused KV materialization: got 'mosaic_gpu' for rope_style='neox', "
      "head_dim=32, rotary_dim=32, dtype=float32, expected 'triton' (Mosaic GPU takes bf16/fp16 "
      "neox with rotary halves and tail in multiples of 8 columns and 32 bytes, head_dim <= 256)."),
+    (dict(lowering="mosaic_gpu", layer_rope_table=np.zeros(2, np.int32)),
+     "Invalid lowering for fused KV materialization: got 'mosaic_gpu' for a call with a layer_rope_table, "
+     "expected 'triton' (the Mosaic GPU kernel reads one cos/sin table for every layer)."),
     (dict(lowering="mosaic_gpu", block_tokens=4),
      "Invalid tile override for fused KV materialization: got block_tokens/block_heads/num_warps "
      "with lowering='mosaic_gpu', expected them only with the Triton lowering."),
@@ -506,6 +517,8 @@ def test_bad_lowering_raises_its_message(overrides, message):
     overrides = dict(overrides)
     config = FusedKVConfig(2, 32, 32, overrides.pop("rope_style", "neox"))
     host = _inputs(config, n_layers=2, total_ctx=64, seed=33, dtype=overrides.pop("dtype", "bfloat16"))
+    if "layer_rope_table" in overrides:
+        host = (*host[:3], np.stack([host[3]] * 2), host[4])
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         fused_kv_norm_rope(*host, **_static(config), **overrides)
 

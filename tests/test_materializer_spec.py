@@ -9,12 +9,13 @@ import pytest
 from interop.core.arrays import numpy_dtype
 from interop.core.materializer import (
     RopeConfig,
+    stacked_rope_tables,
     validate_layers,
     validate_materialize,
     validate_reserve,
 )
 from interop.core.spec import FusedKVConfig
-from interop.testing import random_case
+from interop.testing import assert_bit_exact, random_case
 
 OP = FusedKVConfig(num_kv_heads=2, head_dim=32, rotary_dim=32)
 ROPE = RopeConfig(rotary_dim=32, max_position=64)
@@ -42,8 +43,8 @@ def test_consistent_layers_give_the_stacked_configuration():
 @pytest.mark.parametrize("change, message", [
     (dict(num_kv_heads=4), "num_kv_heads got 4, expected 2 as in layer 0."),
     (dict(head_dim=16), "head_dim got 16, expected 32 as in layer 0."),
-    (dict(rope=RopeConfig(32, 64, base=500000.0)),
-     "rope configuration got RopeConfig(rotary_dim=32, max_position=64, base=500000.0, "
+    (dict(rope=RopeConfig(32, 128)),
+     "rope configuration got RopeConfig(rotary_dim=32, max_position=128, base=10000.0, "
      "style='neox'), expected RopeConfig(rotary_dim=32, max_position=64, base=10000.0, "
      "style='neox') as in layer 0."),
     (dict(rope=RopeConfig(32, 64, style="gptj")),
@@ -119,9 +120,9 @@ def test_the_ops_own_checks_run_on_the_stacked_configuration():
             "('bfloat16', 'float16', 'float32').", float64_weights)
 
 
-def test_a_given_cos_sin_cache_must_be_fp32_and_cover_the_rope_positions():
-    _expect("Invalid cos_sin_cache dtype for fused KV materialization: got float16, expected one "
-            "of ('float32',).", _layers(), np.zeros((64, 32), np.float16))
+def test_a_given_cos_sin_cache_must_be_of_a_table_dtype_and_cover_the_rope_positions():
+    _expect("Invalid cos_sin_cache dtype for fused KV materialization: got float64, expected one "
+            "of ('float32', 'bfloat16', 'float16').", _layers(), np.zeros((64, 32), np.float64))
     _expect("Invalid cos_sin_cache shape for fused KV materialization: got (64, 16), expected "
             "(max_pos, 32) with max_pos > 0.", _layers(), np.zeros((64, 16), np.float32))
     _expect("Invalid cos_sin_cache for fused KV materialization: got 32 rows, expected "
@@ -177,3 +178,24 @@ def test_materialize_checks_the_types_of_hidden_states_and_of_the_position_bound
             "Invalid ctx_hidden for fused KV materialization: got list, expected an array with "
             "__dlpack__ (NumPy, torch, jax, CuPy).")):
         validate_materialize([[0.0] * 64], config, None)
+
+
+def test_layers_of_another_rope_base_get_a_table_of_their_own_and_an_index():
+    sliding = RopeConfig(32, 64, base=500000.0)
+    layers = _layers(n_layers=4, rope=sliding)
+    layers[3] = dataclasses.replace(layers[3], rope=sliding)
+    config = validate_layers(layers)
+    assert (config.op, config.max_position) == (OP, 64)
+    tables, layer_rope_table = stacked_rope_tables(layers)
+    assert layer_rope_table.dtype == np.int32 and layer_rope_table.tolist() == [0, 0, 1, 1]
+    assert_bit_exact(tables[0], layers[0].rope.cos_sin_cache(), name="table 0")
+    assert_bit_exact(tables[1], sliding.cos_sin_cache(), name="table 1")
+    assert stacked_rope_tables(_layers())[1] is None
+
+
+def test_a_given_3d_table_takes_the_layers_table_indices():
+    tables = np.zeros((2, 64, 32), np.float32)
+    config = validate_layers(_layers(), tables, layer_rope_table=np.array([0, 1, 1], np.int32))
+    assert config.max_position == 64
+    _expect("Invalid layer_rope_table for fused KV materialization: got None with a 3-D cos_sin_cache of 2 "
+            "tables, expected int32(3,) naming each layer's table.", _layers(), tables)

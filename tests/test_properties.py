@@ -1,8 +1,10 @@
 """Property tests: drawn configurations, both backends, both entry points, against the reference.
 
 Hypothesis draws the whole call (layers, heads, head_dim, rotary_dim, rope style, dtypes,
-token count, a strided or contiguous ``kv``, given or absent outputs, int32/int64
-positions with some out of range, a paged cache with padding slots and fp8 caches) and a
+the cos/sin table's included, one table or one per RoPE with each layer's index (some
+outside the tables), token count, a strided or contiguous ``kv``, given or absent
+outputs, int32/int64 positions with some out of range, a paged cache with padding slots
+and fp8 caches) and a
 seed for NumPy's generator, which makes the arrays (``interop.testing.random_inputs``).
 Expected values come from ``interop.core.reference`` alone: K within the tolerance table, V
 bit for bit, all-NaN K rows where a position is out of range, untouched cache slots
@@ -29,8 +31,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cases import FP8, CacheCase, Call, OpCase, check_cache_case, check_op_case
-from interop.core.spec import KV_DTYPES, POSITION_DTYPES, ROPE_STYLES, SATURATED_INDEX_RANGE
+from cases import FP8, ROPE_TABLES, CacheCase, Call, OpCase, check_cache_case, check_op_case
+from interop.core.spec import KV_DTYPES, POSITION_DTYPES, ROPE_STYLES, ROPE_TABLE_DTYPES, SATURATED_INDEX_RANGE
 
 INT32_MIN = -(2**31)
 INT32_MAX = SATURATED_INDEX_RANGE[1]
@@ -95,13 +97,17 @@ def calls(draw, limits: Limits = LIMITS) -> Call:
             st.tuples(st.integers(0, total_ctx - 1), st.sampled_from(_outside(max_position, position_dtype))),
             max_size=min(total_ctx, 4), unique_by=lambda pair: pair[0])))
     padding = draw(st.none() | st.tuples(st.integers(0, 24), st.integers(1, 24)))
+    # Per-layer tables: each layer's index, now and then one outside the tables.
+    table_index = st.integers(0, len(ROPE_TABLES) - 1) | st.sampled_from((-1, len(ROPE_TABLES)))
+    layer_rope_tables = draw(st.just(()) | st.lists(table_index, min_size=n_layers, max_size=n_layers).map(tuple))
     return Call(
         n_layers=n_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
         rope_style=draw(st.sampled_from(ROPE_STYLES)), dtype=draw(st.sampled_from(KV_DTYPES)),
         weight_dtype=draw(st.sampled_from(WEIGHT_DTYPES)), total_ctx=total_ctx,
         max_position=max_position, position_dtype=position_dtype, out_of_range_positions=out_of_range,
         kv_workspace_padding=padding, small_on_host=draw(st.booleans()),
-        seed=draw(st.integers(0, 2**32 - 1)),
+        seed=draw(st.integers(0, 2**32 - 1)), table_dtype=draw(st.sampled_from(ROPE_TABLE_DTYPES)),
+        layer_rope_tables=layer_rope_tables,
     )
 
 

@@ -229,3 +229,31 @@ def test_fp8_cache_saturates_inf_and_big_values_and_keeps_nan():
     assert v[:4].tolist() == [448, -448, 448, -448] and np.isnan(v[4])
     k = k_cache.astype(np.float32)
     assert np.isnan(k[0, 0, 0]).all() and not np.isnan(k[0, 0, 1]).any() and not np.isnan(k[0, 2]).any()
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+def test_per_layer_tables_rotate_each_layer_by_its_own_table(style):
+    config = FusedKVConfig(2, 16, 8, style)
+    inputs = random_inputs(config, n_layers=3, total_ctx=4, max_position=32, seed=7)
+    tables = np.stack([rope_cos_sin_cache(32, 8, base) for base in (10000.0, 500.0)]).astype(numpy_dtype("bfloat16"))
+    layer_rope_table = np.array([1, 0, 1], np.int32)
+    static = dict(num_kv_heads=2, head_dim=16, rotary_dim=8, rope_style=style)
+    k, v = fused_kv_norm_rope_reference(*inputs.arrays()[:3], tables, inputs.positions, **static,
+                                        layer_rope_table=layer_rope_table)
+    for layer, table in enumerate(layer_rope_table):
+        one_layer = (inputs.kv[:, layer:layer + 1], inputs.k_norm_weight[layer:layer + 1], inputs.eps[layer:layer + 1])
+        k_layer, v_layer = fused_kv_norm_rope_reference(*one_layer, tables[table], inputs.positions, **static)
+        assert_bit_exact(k[layer:layer + 1], k_layer, name="k")
+        assert_bit_exact(v[layer:layer + 1], v_layer)
+
+
+def test_a_table_index_outside_the_tables_gives_that_layer_all_nan_k():
+    config = FusedKVConfig(2, 16, 16)
+    inputs = random_inputs(config, n_layers=4, total_ctx=3, max_position=32, seed=8)
+    tables = np.stack([inputs.cos_sin_cache, inputs.cos_sin_cache])
+    k, v = fused_kv_norm_rope_reference(*inputs.arrays()[:3], tables, inputs.positions, num_kv_heads=2,
+                                        head_dim=16, rotary_dim=16, layer_rope_table=np.array([0, 2, -1, 1], np.int32))
+    k_plain, v_plain = fused_kv_norm_rope_reference(*inputs.arrays(), num_kv_heads=2, head_dim=16, rotary_dim=16)
+    assert np.isnan(k[1:3].astype(np.float32)).all()
+    assert_bit_exact(k[[0, 3]], k_plain[[0, 3]], name="k")
+    assert_bit_exact(v, v_plain)

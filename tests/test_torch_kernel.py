@@ -128,12 +128,12 @@ def test_direct_launch_key_splits_calls_wherever_triton_specializes_them():
     _, constexprs, _, _ = kernel_module._plan(REAL, 64, 5, None, None, None, False)
     specializations = {}
     for _ in range(400):
-        tensors = [None if rng.random() < 0.2 else buffer[int(rng.integers(0, 24)):] for _ in range(11)]
-        plain_ints = [int(v) for v in rng.integers(1, 2**31, 3)]
-        ints = [values[i] for i in rng.integers(0, len(values), 21)]
+        tensors = [None if rng.random() < 0.2 else buffer[int(rng.integers(0, 24)):] for _ in range(12)]
+        plain_ints = [int(v) for v in rng.integers(1, 2**31, 4)]
+        ints = [values[i] for i in rng.integers(0, len(values), 23)]
         addresses = [None if tensor is None else tensor.data_ptr() for tensor in tensors]
         _, specialization, _ = binder(*tensors, *plain_ints, *ints, *constexprs, num_warps=4)
-        runtime = tuple(specialization[:35])
+        runtime = tuple(specialization[:39])
         key = specialization_key(addresses, ints)
         assert specializations.setdefault(key, runtime) == runtime
         assert [attribute for _, attribute in runtime] == expected_attributes(addresses, plain_ints, ints)

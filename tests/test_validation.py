@@ -92,9 +92,18 @@ def test_empty_context_is_still_validated():
      "('bfloat16', 'float16', 'float32')."),
     ("eps", np.ones(2, np.float64),
      "Invalid eps dtype for fused KV materialization: got float64, expected one of ('float32',)."),
-    ("cos_sin_cache", np.zeros((64, 8), np.float16),
-     "Invalid cos_sin_cache dtype for fused KV materialization: got float16, expected one of "
-     "('float32',)."),
+    ("cos_sin_cache", np.zeros((64, 8), np.float64),
+     "Invalid cos_sin_cache dtype for fused KV materialization: got float64, expected one of "
+     "('float32', 'bfloat16', 'float16')."),
+    ("cos_sin_cache", np.zeros((2, 64, 6), np.float32),
+     "Invalid cos_sin_cache shape for fused KV materialization: got (2, 64, 6), expected "
+     "(n_tables, max_pos, 8) with n_tables > 0 and max_pos > 0."),
+    ("cos_sin_cache", np.zeros((0, 64, 8), np.float32),
+     "Invalid cos_sin_cache shape for fused KV materialization: got (0, 64, 8), expected "
+     "(n_tables, max_pos, 8) with n_tables > 0 and max_pos > 0."),
+    ("cos_sin_cache", np.zeros((2, 2, 64, 8), np.float32),
+     "Invalid cos_sin_cache shape for fused KV materialization: got (2, 2, 64, 8), expected "
+     "(max_pos, 8) with max_pos > 0."),
     ("cos_sin_cache", np.zeros((64, 6), np.float32),
      "Invalid cos_sin_cache shape for fused KV materialization: got (64, 6), expected "
      "(max_pos, 8) with max_pos > 0."),
@@ -106,6 +115,35 @@ def test_empty_context_is_still_validated():
 ])
 def test_inputs_beyond_the_seeds_get_what_was_got_and_expected(field, bad, message):
     _expect(message, **_args(**{field: bad}), **STATIC)
+
+
+TABLES = np.zeros((3, 64, 8), np.float32)
+
+
+@pytest.mark.parametrize("tables, layer_rope_table, message", [
+    (None, np.zeros(2, np.int32),
+     "Invalid layer_rope_table for fused KV materialization: got an array with a 2-D cos_sin_cache, expected "
+     "None (one table serves every layer; a 3-D cos_sin_cache [n_tables, max_pos, rotary_dim] takes a table "
+     "index per layer)."),
+    (TABLES, None,
+     "Invalid layer_rope_table for fused KV materialization: got None with a 3-D cos_sin_cache of 3 tables, "
+     "expected int32(2,) naming each layer's table."),
+    (TABLES, np.zeros(2, np.int64),
+     "Invalid layer_rope_table for fused KV materialization: got int64(2,), expected int32(2,) (each layer's "
+     "table in cos_sin_cache)."),
+    (TABLES, np.zeros(3, np.int32),
+     "Invalid layer_rope_table for fused KV materialization: got int32(3,), expected int32(2,) (each layer's "
+     "table in cos_sin_cache)."),
+])
+def test_layer_rope_table_is_given_exactly_with_a_3d_table(tables, layer_rope_table, message):
+    overrides = {} if tables is None else dict(cos_sin_cache=tables)
+    _expect(message, **_args(**overrides), **STATIC, layer_rope_table=layer_rope_table)
+
+
+def test_a_3d_table_gives_the_rows_of_one_table_as_max_position():
+    call = validate_call(**_args(cos_sin_cache=np.zeros((3, 40, 8), np.float16)), **STATIC,
+                         layer_rope_table=np.array([2, 0], np.int32))
+    assert call.max_position == 40
 
 
 def test_rope_style_must_be_known():

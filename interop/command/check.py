@@ -59,6 +59,7 @@ class CheckOptions:
     rotary_dim: int = 128
     rope_style: str = "neox"
     dtype: str = "bfloat16"
+    table_dtype: str = "float32"
     total_ctx: int | None = None
     max_position: int = 32768
     seed: int = 0
@@ -160,8 +161,9 @@ def _duration(seconds: float | None) -> str:
 
 def title(options: CheckOptions, total_ctx: int) -> str:
     o = options
+    table = "" if o.table_dtype == "float32" else f", {o.table_dtype} cos/sin table"
     return (f"fusedkv check: {o.n_layers} layers, {o.num_kv_heads} KV heads, head_dim "
-            f"{o.head_dim}, rotary_dim {o.rotary_dim} ({o.rope_style}), {o.dtype}, "
+            f"{o.head_dim}, rotary_dim {o.rotary_dim} ({o.rope_style}), {o.dtype}{table}, "
             f"{total_ctx} tokens, seed {o.seed}")
 
 
@@ -209,7 +211,7 @@ class CheckReport:
         return {
             "options": {"layers": o.n_layers, "heads": o.num_kv_heads, "head_dim": o.head_dim,
                         "rotary_dim": o.rotary_dim, "rope_style": o.rope_style, "dtype": o.dtype,
-                        "tokens": self.total_ctx, "max_position": o.max_position, "seed": o.seed,
+                        "table_dtype": o.table_dtype, "tokens": self.total_ctx, "max_position": o.max_position, "seed": o.seed,
                         "backends": list(o.backend_names)},
             "ok": self.ok,
             "rows": [dataclasses.asdict(row) for row in self.rows],
@@ -254,7 +256,8 @@ def run_check(options: CheckOptions, runners=None,
     total_ctx = options.tokens()
     config = options.config
     inputs = random_inputs(config, n_layers=options.n_layers, total_ctx=total_ctx,
-                           dtype=options.dtype, max_position=options.max_position, seed=options.seed)
+                           dtype=options.dtype, max_position=options.max_position,
+                           table_dtype=options.table_dtype, seed=options.seed)
     start = time.perf_counter()
     k_ref, v_ref = fused_kv_norm_rope_reference(
         *inputs.arrays(), num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,

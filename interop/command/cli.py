@@ -14,6 +14,7 @@ from interop import registry
 from interop.bench import add_bench_arguments, run_bench_command
 from interop.command import backends
 from interop.registry import BACKENDS
+from interop.core.spec import ROPE_TABLE_DTYPES
 from interop.command.check import (
     DEFAULT_TOKENS_CPU,
     DEFAULT_TOKENS_GPU,
@@ -93,6 +94,8 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
                             "(halves), gptj pairs 2i with 2i+1 (interleaved) (default: neox)")
     check.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                        help="dtype of kv and of the outputs (default: bfloat16)")
+    check.add_argument("--table-dtype", choices=ROPE_TABLE_DTYPES, default="float32",
+                       help="dtype of the cos/sin table, which the kernels read as fp32 (default: float32)")
     check.add_argument("--tokens", type=_positive, default=None, metavar="N",
                        help=f"total_ctx (default: {DEFAULT_TOKENS_GPU} with a GPU, "
                             f"{DEFAULT_TOKENS_CPU} in CPU interpret mode)")
@@ -145,7 +148,7 @@ def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
                      f"at most --head-dim ({args.head_dim})")
     options = CheckOptions(
         n_layers=args.layers, num_kv_heads=args.heads, head_dim=args.head_dim,
-        rotary_dim=rotary_dim, rope_style=args.rope_style, dtype=args.dtype,
+        rotary_dim=rotary_dim, rope_style=args.rope_style, dtype=args.dtype, table_dtype=args.table_dtype,
         total_ctx=args.tokens, max_position=args.max_position, seed=args.seed,
         backends=args.backends,
     )

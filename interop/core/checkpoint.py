@@ -12,14 +12,17 @@ Of each layer only ``k_proj.weight`` and ``v_proj.weight`` (stacked, K rows then
 their biases where the checkpoint has them (Qwen2) and ``k_norm.weight`` where it has
 one (Qwen3, DFlash; Llama and Qwen2 have none) are read, each from the file that holds
 it (``model.safetensors.index.json`` names it for a sharded checkpoint). The rotary
-table comes from the config (:meth:`RopeConfig.from_hf_config`), a config's
+table comes from the config (:meth:`RopeConfig.from_hf_config`), per layer type where
+the config has ``layer_types`` (transformers 5's ``rope_parameters`` keyed by layer type,
+a MiMo-style ``swa_rope_theta`` for the sliding-window layers): the materializers give
+each distinct RoPE a table of its own and every layer its index, in one launch. A config's
 ``attention_value_scale`` becomes the layers' ``v_multiplier``. FP8 checkpoints (a
 ``quantization_config`` of ``quant_method`` ``'fp8'``, ``'fbgemm_fp8'`` or
 ``'compressed-tensors'`` with float8 weights, :func:`check_quantization`) give float8_e4m3fn
 weights with their ``weight_scale`` (or ``weight_scale_inv``), per tensor or per output row.
 What cannot be served as asked is refused before anything is read: other quantization
-formats, block-wise scales and static activation scales (``input_scale``), RoPE that
-differs between the layers, a missing tensor or one whose shape disagrees with the config.
+formats, block-wise scales and static activation scales (``input_scale``), a missing tensor
+or one whose shape disagrees with the config.
 Nothing is downloaded; importing this module imports neither torch nor jax (nor
 safetensors, which is imported when a checkpoint is read).
 """
@@ -79,13 +82,13 @@ def read_checkpoint_layers(path, *, layers: Sequence[int] | None = None, dtype=N
         count = _config_size(config, "num_hidden_layers")
     indices = _layer_indices(count, layers)
     with _located(config_file):
-        rope = _draft_rope(config, indices, max_position)
+        ropes = _draft_ropes(config, indices, max_position)
         value_scales = _value_scales(config, indices)
-        shape = _AttentionShape.from_config(config, rope.parameters.head_dim)
+        shape = _AttentionShape.from_config(config, ropes[0].parameters.head_dim)
     with _Tensors(directory) as tensors:
         read = [_read_layer(tensors, f"{prefix}.{index}.self_attn", shape) for index in indices]
     draft = tuple(_layer(weight, weight_scale, bias, k_norm, shape, rope, scale, dtype)
-                  for (weight, weight_scale, bias, k_norm), scale in zip(read, value_scales))
+                  for (weight, weight_scale, bias, k_norm), scale, rope in zip(read, value_scales, ropes))
     validate_layers(draft)
     return draft
 
@@ -260,15 +263,15 @@ def _layer_indices(count: int, layers) -> tuple[int, ...]:
     return indices
 
 
-def _draft_rope(config: Mapping, indices: tuple[int, ...], max_position: int | None) -> RopeConfig:
-    """The one rotary table of the draft layers, refused where their layer types differ in RoPE."""
+def _draft_ropes(config: Mapping, indices: tuple[int, ...], max_position: int | None) -> tuple[RopeConfig, ...]:
+    """Each draft layer's RoPE, from the parameters of its layer type where the config gives them."""
     if max_position is None:
         max_position = _config_size(config, "max_position_embeddings")
     layer_types = config.get("layer_types")
     if layer_types is not None and len(layer_types) != config["num_hidden_layers"]:
         raise ValueError(f"Invalid config['layer_types'] for fused KV materialization: got {len(layer_types)} "
                          f"entries, expected one per layer ({config['num_hidden_layers']}).")
-    by_rope: dict[RopeConfig, str | None] = {}
+    ropes = []
     for index in indices:
         layer_type = None if layer_types is None else layer_types[index]
         rope = RopeConfig.from_hf_config(config, max_position=max_position, layer_type=layer_type)
@@ -279,13 +282,8 @@ def _draft_rope(config: Mapping, indices: tuple[int, ...], max_position: int | N
         if swa_theta is not None and layer_type == "sliding_attention":
             parameters = dataclasses.replace(rope.parameters, theta=swa_theta)
             rope = RopeConfig(rope.rotary_dim, max_position, parameters.theta, rope.style, parameters)
-        by_rope.setdefault(rope, layer_type)
-    if len(by_rope) > 1:
-        raise ValueError(f"Invalid config['layer_types'] for fused KV materialization: got layer types "
-                         f"{tuple(by_rope.values())} with different RoPE parameters among the draft layers, expected "
-                         "draft layers sharing one rotary table (per-layer RoPE tables are not supported yet; "
-                         "layers= can pick layers of one type).")
-    return next(iter(by_rope))
+        ropes.append(rope)
+    return tuple(ropes)
 
 
 def _value_scales(config: Mapping, indices: tuple[int, ...]) -> list[float | None]:

@@ -192,7 +192,7 @@ def _layer_error(index: int, what: str, got, expected) -> ValueError:
     )
 
 
-def _check_layer_arrays(layers: tuple, cos_sin_cache, accepted: str) -> None:
+def _check_layer_arrays(layers: tuple, cos_sin_cache, layer_rope_table, accepted: str) -> None:
     """Refuse a layer that is not a :class:`LayerKV`, and weights (or a table) that are not
     arrays of the materializer's framework (``accepted``, as :func:`interop.core.spec.check_arrays`)
     or that have no data (torch's meta device), naming the layer and the field."""
@@ -210,28 +210,45 @@ def _check_layer_arrays(layers: tuple, cos_sin_cache, accepted: str) -> None:
                     f"Invalid {name} for fused KV materialization: got a tensor on the meta device "
                     "(a shape without data), expected one holding the layer's weights."
                 )
-    check_arrays((("cos_sin_cache", cos_sin_cache),), accepted)
+    check_arrays((("cos_sin_cache", cos_sin_cache), ("layer_rope_table", layer_rope_table)), accepted)
 
 
-def validate_layers(layers: Sequence[LayerKV], cos_sin_cache=None, *,
+def _same_table_shape(rope: RopeConfig) -> tuple:
+    """What layers of different RoPE must share to be served by tables of one stacked array."""
+    return rope.rotary_dim, rope.max_position, rope.style
+
+
+def layer_ropes(layers) -> tuple[tuple[RopeConfig, ...], np.ndarray | None]:
+    """The layers' distinct RoPEs in order of first use, and int32 ``[n_layers]``: each
+    layer's among them, None where every layer has one RoPE (one table, no index)."""
+    ropes = tuple(dict.fromkeys(layer.rope for layer in layers))
+    if len(ropes) == 1:
+        return ropes, None
+    return ropes, np.array([ropes.index(layer.rope) for layer in layers], np.int32)
+
+
+def validate_layers(layers: Sequence[LayerKV], cos_sin_cache=None, *, layer_rope_table=None,
                     accepted: str = "any") -> MaterializerConfig:
     """Check that every layer fits one stacked GEMM and one launch of the op.
 
     First each layer must be a :class:`LayerKV` whose arrays (and ``cos_sin_cache``) are
     of the materializer's framework (``accepted``: ``'torch'``, ``'jax'`` or ``'any'``, as
     :func:`interop.core.spec.check_arrays`) and hold data. Then layer 0 sets the configuration;
-    each layer in turn is checked for its heads, head_dim, rope configuration, projection
+    each layer in turn is checked for its heads, head_dim, rope configuration (its rotary_dim,
+    max_position and style: layers of another RoPE base or scaling get a table of their
+    own, :func:`layer_ropes`), projection
     weight shape and dtype, k_norm weight shape and eps, V multiplier and projection bias
     (its shape and dtype), and the first difference raises ``ValueError`` naming the layer.
     Then the op's own validation (:func:`interop.core.spec.validate_call`) runs on the
     stacked shapes: the rotary/head dim pair, the rope style, the kv dtype (the
     weights' dtype, that of the GEMM's output) and the cos/sin table, which is either
-    ``cos_sin_cache`` (fp32[rope.max_position, rotary_dim]) or built from ``rope.base``.
+    ``cos_sin_cache`` (fp32/bf16/fp16[rope.max_position, rotary_dim], or ``[n_tables, ...]``
+    with ``layer_rope_table``) or built from the layers' ropes (one table per distinct rope).
     """
     layers = tuple(layers)
     if not layers:
         raise ValueError("Invalid layers for fused KV materialization: got 0, expected at least 1.")
-    _check_layer_arrays(layers, cos_sin_cache, accepted)
+    _check_layer_arrays(layers, cos_sin_cache, layer_rope_table, accepted)
     first = layers[0]
     first_shape = tuple(int(d) for d in first.kv_proj_weight.shape)
     hidden = first_shape[1] if len(first_shape) == 2 else "hidden"
@@ -243,7 +260,9 @@ def validate_layers(layers: Sequence[LayerKV], cos_sin_cache=None, *,
         for what, got, expected, shown in (
             ("num_kv_heads", layer.num_kv_heads, first.num_kv_heads, first.num_kv_heads),
             ("head_dim", layer.head_dim, first.head_dim, first.head_dim),
-            ("rope configuration", layer.rope, first.rope, first.rope),
+            # Another base or scaling is another table; another shape of table is refused.
+            ("rope configuration", layer.rope if _same_table_shape(layer.rope) != _same_table_shape(first.rope)
+             else first.rope, first.rope, first.rope),
             ("kv_proj_weight shape", tuple(int(d) for d in layer.kv_proj_weight.shape),
              (weight_rows, hidden), weight_shape),
             ("kv_proj_weight dtype", dtype_name(layer.kv_proj_weight.dtype), weight_dtype,
@@ -264,8 +283,7 @@ def validate_layers(layers: Sequence[LayerKV], cos_sin_cache=None, *,
     rope = first.rope
     n_layers = len(layers)
     op = FusedKVConfig(first.num_kv_heads, first.head_dim, rope.rotary_dim, rope.style)
-    table = cos_sin_cache if cos_sin_cache is not None else _ShapeOf(
-        (rope.max_position, rope.rotary_dim), "float32")
+    table, layer_rope_table = _tables(layers, cos_sin_cache, layer_rope_table)
     normed, v_multiplied = first.k_norm_weight is not None, first.v_multiplier is not None
     per_layer = _ShapeOf((n_layers,), "float32")
     kv_dtype = FP8_KV_DTYPE if weight_dtype == FP8_WEIGHT_DTYPE else weight_dtype
@@ -277,11 +295,12 @@ def validate_layers(layers: Sequence[LayerKV], cos_sin_cache=None, *,
         _ShapeOf((0,), "int32"),
         num_kv_heads=op.num_kv_heads, head_dim=op.head_dim, rotary_dim=op.rotary_dim,
         rope_style=op.rope_style, v_multiplier=per_layer if v_multiplied else None,
+        layer_rope_table=layer_rope_table,
     )
-    if int(table.shape[0]) != rope.max_position:
+    if int(table.shape[-2]) != rope.max_position:
         raise ValueError(
             "Invalid cos_sin_cache for fused KV materialization: "
-            f"got {int(table.shape[0])} rows, expected rope.max_position={rope.max_position}."
+            f"got {int(table.shape[-2])} rows, expected rope.max_position={rope.max_position}."
         )
     return MaterializerConfig(op, n_layers, int(first_shape[1]), weight_dtype, rope.max_position, normed,
                               v_multiplied, first.kv_proj_bias is not None)
@@ -298,6 +317,24 @@ def _weight_dtype(first: LayerKV) -> str:
             "with a weight_scale)."
         )
     return name
+
+
+def _tables(layers, cos_sin_cache, layer_rope_table):
+    """``(cos_sin_cache, layer_rope_table)`` as given, or the shapes of those built from the
+    layers' ropes (:func:`stacked_rope_tables`), for the op's validation."""
+    if cos_sin_cache is not None:
+        return cos_sin_cache, layer_rope_table
+    if layer_rope_table is not None:
+        raise ValueError(
+            "Invalid layer_rope_table for fused KV materialization: got an array without a cos_sin_cache, "
+            "expected None (the tables are built from the layers' ropes, one per distinct rope)."
+        )
+    rope = layers[0].rope
+    ropes, built_index = layer_ropes(layers)
+    rows = (rope.max_position, rope.rotary_dim)
+    if built_index is None:
+        return _ShapeOf(rows, "float32"), layer_rope_table
+    return _ShapeOf((len(ropes), *rows), "float32"), _ShapeOf(built_index.shape, "int32")
 
 
 def _has(what: str, value) -> str:
@@ -457,12 +494,22 @@ def _rows_of_scale(scale, rows: np.ndarray):
 def stacked_op_arrays(layers, cos_sin_cache=None):
     """The op's per-layer arguments in NumPy: fp32 ``k_norm_weight[n_layers, head_dim]``,
     fp32 ``eps[n_layers]`` (both None without a K-norm) and the cos/sin table
-    (``cos_sin_cache`` or the one built)."""
-    table = layers[0].rope.cos_sin_cache() if cos_sin_cache is None else as_numpy(cos_sin_cache)
+    (``cos_sin_cache`` or the one built: :func:`stacked_rope_tables`)."""
+    table = stacked_rope_tables(layers)[0] if cos_sin_cache is None else as_numpy(cos_sin_cache)
     if layers[0].k_norm_weight is None:
         return None, None, table
     return (np.stack([as_numpy(layer.k_norm_weight).astype(np.float32) for layer in layers]),
             np.array([layer.eps for layer in layers], np.float32), table)
+
+
+def stacked_rope_tables(layers) -> tuple[np.ndarray, np.ndarray | None]:
+    """fp32 ``cos_sin_cache`` and ``layer_rope_table`` of the layers' ropes (:func:`layer_ropes`):
+    the one table ``[max_position, rotary_dim]`` and None, or ``[n_tables, max_position,
+    rotary_dim]`` and each layer's table."""
+    ropes, layer_rope_table = layer_ropes(layers)
+    if layer_rope_table is None:
+        return ropes[0].cos_sin_cache(), None
+    return np.stack([rope.cos_sin_cache() for rope in ropes]), layer_rope_table
 
 
 def stacked_v_multiplier(layers) -> np.ndarray | None:
@@ -528,7 +575,8 @@ def projection_reference(layers, ctx_hidden, *, fp8_activations: bool = False) -
     return np.stack([project(layer) for layer in layers], axis=1)
 
 
-def materializer_reference(layers, ctx_hidden, positions, cos_sin_cache=None, *, fp8_activations: bool = False):
+def materializer_reference(layers, ctx_hidden, positions, cos_sin_cache=None, layer_rope_table=None, *,
+                           fp8_activations: bool = False):
     """The materializer in NumPy: kv = ctx_hidden @ W_l^T (+ b_l) in fp32 for every layer, then the op.
 
     ``ctx_hidden`` is first rounded to the GEMM's dtype, as the materializers do; kv
@@ -537,10 +585,13 @@ def materializer_reference(layers, ctx_hidden, positions, cos_sin_cache=None, *,
     each kv-dtype[n_layers, total_ctx, num_kv_heads, head_dim] (the weights' dtype, bfloat16
     for FP8 weights).
     """
-    config = validate_layers(layers, cos_sin_cache)
+    config = validate_layers(layers, cos_sin_cache, layer_rope_table=layer_rope_table)
     dtype = numpy_dtype(config.kv_dtype)
-    kv = projection_reference(layers, ctx_hidden, fp8_activations=fp8_activations)
+    if cos_sin_cache is None:
+        layer_rope_table = stacked_rope_tables(layers)[1]
     k, v = fused_kv_norm_rope_reference(
-        kv, *stacked_op_arrays(layers, cos_sin_cache), as_numpy(positions),
-        **config.op_kwargs(), v_multiplier=stacked_v_multiplier(layers))
+        projection_reference(layers, ctx_hidden, fp8_activations=fp8_activations),
+        *stacked_op_arrays(layers, cos_sin_cache), as_numpy(positions),
+        **config.op_kwargs(), v_multiplier=stacked_v_multiplier(layers),
+        layer_rope_table=None if layer_rope_table is None else as_numpy(layer_rope_table))
     return k.astype(dtype), v.astype(dtype)

@@ -19,9 +19,10 @@ Edge values, the same in the reference and both kernels (README, "Edge values"):
   (``k * 0 * k_norm_weight``, so with finite weights): there is no scale to
   normalize by. The GPU's rsqrt flushes denormals, so a threshold, not ``== 0``,
   is what every implementation can agree on.
-- A position outside ``[0, cos_sin_cache.shape[0])`` has no rotation to apply, so
-  the token's whole K row is NaN: loud, and identical in every backend, without
-  the device-to-host sync that raising would need.
+- A position outside ``[0, max_pos)`` has no rotation to apply, so the token's whole
+  K row is NaN: loud, and identical in every backend, without the device-to-host sync
+  that raising would need. Likewise a ``layer_rope_table`` entry outside
+  ``[0, n_tables)`` names no table: that layer's K is all NaN (its V as usual).
 - Otherwise IEEE arithmetic of the formula: the unrotated tail (dims ``>=
   rotary_dim``) is ``kn`` itself, so an fp32 overflow there is +-Inf, not NaN; an
   fp16/bf16 result beyond the dtype's range rounds to +-Inf; a float8_e4m3fn cache
@@ -54,6 +55,7 @@ def fused_kv_norm_rope_reference(
     rotary_dim: int,
     rope_style: str = "neox",
     v_multiplier=None,
+    layer_rope_table=None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """RMSNorm + RoPE on K, V passed through, for all layers.
 
@@ -63,23 +65,27 @@ def fused_kv_norm_rope_reference(
       k_norm_weight: float[n_layers, head_dim], or None for a draft without a K-norm
         (K is then RoPE of the projected K, not normalized).
       eps: fp32[n_layers]; None exactly when ``k_norm_weight`` is.
-      cos_sin_cache: fp32[max_pos, rotary_dim], row p = cos values then sin values.
+      cos_sin_cache: fp32/bf16/fp16[max_pos, rotary_dim], row p = cos values then sin
+        values; read as fp32. Or ``[n_tables, max_pos, rotary_dim]``: one table per RoPE
+        (layers with another RoPE base), each layer's named by ``layer_rope_table``.
       positions: int32/int64[total_ctx].
       v_multiplier: fp32[n_layers] or None: V is ``v * v_multiplier[l]`` rounded once
         (None: V is copied bit for bit).
+      layer_rope_table: int32[n_layers], the table of each layer, exactly when
+        ``cos_sin_cache`` is 3-D.
 
     Returns:
       ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim].
     """
     # Host copies first: the reference reads arrays of any framework on any device.
-    kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier = (
-        _host(a) for a in (kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier))
+    kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table = (
+        _host(a) for a in (kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table))
     call = validate_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
-        rope_style=rope_style, v_multiplier=v_multiplier,
+        rope_style=rope_style, v_multiplier=v_multiplier, layer_rope_table=layer_rope_table,
     )
-    k, v = _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier)
+    k, v = _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table)
     with np.errstate(over="ignore"):  # beyond the dtype's range is +-Inf, by design
         return k.astype(kv.dtype), v.astype(kv.dtype)
 
@@ -105,6 +111,7 @@ def fused_kv_norm_rope_into_cache_reference(
     k_scale=None,
     v_scale=None,
     v_multiplier=None,
+    layer_rope_table=None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The op written straight into a paged KV cache; returns updated copies of the caches.
 
@@ -119,15 +126,16 @@ def fused_kv_norm_rope_into_cache_reference(
     kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache = (
         _host(a) for a in (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc,
                            k_cache, v_cache))
-    k_scale, v_scale, v_multiplier = (_host(a) for a in (k_scale, v_scale, v_multiplier))
+    k_scale, v_scale, v_multiplier, layer_rope_table = (
+        _host(a) for a in (k_scale, v_scale, v_multiplier, layer_rope_table))
     # The caches are read, never written (the results are copies): one array may be both.
     call = validate_cache_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim,
         rope_style=rope_style, k_scale=k_scale, v_scale=v_scale, v_multiplier=v_multiplier,
-        check_buffers=False,
+        check_buffers=False, layer_rope_table=layer_rope_table,
     )
-    k, v = _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier)
+    k, v = _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table)
     k_cache, v_cache = k_cache.copy(), v_cache.copy()
     slots = cache_loc.astype(np.int64)
     written = (slots >= 0) & (slots < k_cache.shape[1])
@@ -162,7 +170,7 @@ def fp8_scale_ok(scale):
 SMALLEST_NORMAL_FP32 = 2.0 ** -126
 
 
-def _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier):
+def _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table):
     """fp32 K[n_layers, total_ctx, heads, head_dim] before its one rounding, and V: as given,
     or its fp32 product with ``v_multiplier`` before its one rounding."""
     config = call.config
@@ -174,11 +182,9 @@ def _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions, v_mult
     # Overflow, NaN and Inf are values here (the module docstring's edge values), not errors.
     normed = k if k_norm_weight is None else _normalized(k, k_norm_weight, eps)
 
-    pos = positions.astype(np.int64)
-    in_range = (pos >= 0) & (pos < call.max_position)
-    rows = cos_sin_cache[np.where(in_range, pos, 0)].astype(np.float32)
-    cos = rows[:, None, None, :half]
-    sin = rows[:, None, None, half:rotary_dim]
+    rows, in_range = _cos_sin_rows(cos_sin_cache, positions, layer_rope_table, call)
+    cos = rows[:, :, None, :half]
+    sin = rows[:, :, None, half:rotary_dim]
 
     pair = (slice(0, half), slice(half, rotary_dim)) if config.rope_style == "neox" else (
         slice(0, rotary_dim, 2), slice(1, rotary_dim, 2))
@@ -195,6 +201,17 @@ def _k_fp32_and_v(call, kv, k_norm_weight, eps, cos_sin_cache, positions, v_mult
             v = v.astype(np.float32) * v_multiplier.astype(np.float32)[None, :, None, None]
     return (np.ascontiguousarray(k_result.transpose(1, 0, 2, 3)),
             np.ascontiguousarray(v.transpose(1, 0, 2, 3)))
+
+
+def _cos_sin_rows(cos_sin_cache, positions, layer_rope_table, call):
+    """fp32 ``[total_ctx, n_layers, rotary_dim]`` rows of each token's position in each layer's
+    table, and ``[total_ctx, n_layers]``: whether there is one (position and table index in range)."""
+    tables = cos_sin_cache[None] if layer_rope_table is None else cos_sin_cache
+    table = np.zeros(call.n_layers, np.int64) if layer_rope_table is None else layer_rope_table.astype(np.int64)
+    pos = positions.astype(np.int64)
+    in_range = ((pos >= 0) & (pos < call.max_position))[:, None] & ((table >= 0) & (table < len(tables)))[None, :]
+    rows = tables[np.where(in_range, table[None, :], 0), np.where(in_range, pos[:, None], 0)]
+    return rows.astype(np.float32), in_range
 
 
 def _normalized(k, k_norm_weight, eps):

@@ -29,6 +29,8 @@ import numpy as np
 ROPE_STYLES = ("neox", "gptj")
 KV_DTYPES = ("bfloat16", "float16", "float32")
 POSITION_DTYPES = ("int32", "int64")
+# The cos/sin table is read as fp32 in the kernels, so a table kept in the model's dtype serves too.
+ROPE_TABLE_DTYPES = ("float32", "bfloat16", "float16")
 _FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 
 # int64 indices narrowed to int32 saturate into this range: a position or slot past it is
@@ -239,6 +241,7 @@ def validate_call(
     k_out=None,
     v_out=None,
     check_buffers: bool = True,
+    layer_rope_table=None,
 ) -> CallShape:
     """Check one call against CONTRACT.md (Validation); raise on the first problem.
 
@@ -246,7 +249,8 @@ def validate_call(
     ``head_dim`` positive ints, ``rotary_dim`` an int), then kv rank, kv trailing
     dim, rotary/head dim pair, k_norm_weight shape, eps shape (both None for a draft
     without a K-norm), v_multiplier, then the checks the
-    seeds do not cover (rope style, dtypes, cos/sin cache, positions), then k_out
+    seeds do not cover (rope style, dtypes, cos/sin cache and, for a 3-D cache of one
+    table per RoPE, ``layer_rope_table``, positions), then k_out
     and v_out: shape, device/dtype, then (``check_buffers``) their memory, by
     :func:`check_output_buffers`. Every check runs even when ``total_ctx == 0`` so a
     misconfigured model fails on its first, often empty, warm-up call. A caller that
@@ -276,7 +280,8 @@ def validate_call(
         )
     _check_norm(k_norm_weight, eps, n_layers, config.head_dim)
     _check_per_layer("v_multiplier", v_multiplier, n_layers, "a per-layer multiplier of V, or None")
-    _check_supported(kv, k_norm_weight, eps, cos_sin_cache, positions, config, total_ctx)
+    _check_supported(kv, k_norm_weight, eps, cos_sin_cache, positions, config, total_ctx, n_layers,
+                     layer_rope_table)
     expected_out_shape = config.output_shape(n_layers, total_ctx)
     outputs = (("k_out", k_out), ("v_out", v_out))
     for name, out in outputs:
@@ -284,7 +289,7 @@ def validate_call(
             _check_output(name, out, kv, expected_out_shape)
     if check_buffers:
         check_output_buffers(kv, outputs)
-    return CallShape(config, total_ctx, n_layers, int(cos_sin_cache.shape[0]))
+    return CallShape(config, total_ctx, n_layers, int(cos_sin_cache.shape[-2]))
 
 
 def check_positions_in_range(low: int, high: int, max_position: int) -> None:
@@ -335,7 +340,8 @@ def _check_per_layer(name, array, n_layers, what):
         )
 
 
-def _check_supported(kv, k_norm_weight, eps, cos_sin_cache, positions, config, total_ctx):
+def _check_supported(kv, k_norm_weight, eps, cos_sin_cache, positions, config, total_ctx, n_layers,
+                     layer_rope_table):
     if config.rope_style not in ROPE_STYLES:
         raise ValueError(
             f"Invalid rope_style for fused KV materialization: got {config.rope_style!r}, "
@@ -345,7 +351,7 @@ def _check_supported(kv, k_norm_weight, eps, cos_sin_cache, positions, config, t
         ("kv", kv, KV_DTYPES),
         ("k_norm_weight", k_norm_weight, _FLOAT_DTYPES),
         ("eps", eps, ("float32",)),
-        ("cos_sin_cache", cos_sin_cache, ("float32",)),
+        ("cos_sin_cache", cos_sin_cache, ROPE_TABLE_DTYPES),
         ("positions", positions, POSITION_DTYPES),
     ):
         if array is not None and dtype_name(array.dtype) not in allowed:
@@ -354,15 +360,44 @@ def _check_supported(kv, k_norm_weight, eps, cos_sin_cache, positions, config, t
                 f"got {dtype_name(array.dtype)}, expected one of {allowed}."
             )
     cache_shape = _shape(cos_sin_cache)
-    if len(cache_shape) != 2 or cache_shape[1] != config.rotary_dim or cache_shape[0] == 0:
+    if len(cache_shape) == 3 and (cache_shape[2] != config.rotary_dim or 0 in cache_shape):
+        raise ValueError(
+            "Invalid cos_sin_cache shape for fused KV materialization: got "
+            f"{cache_shape}, expected (n_tables, max_pos, {config.rotary_dim}) with n_tables > 0 and max_pos > 0."
+        )
+    if len(cache_shape) not in (2, 3) or cache_shape[-1] != config.rotary_dim or cache_shape[0] == 0:
         raise ValueError(
             "Invalid cos_sin_cache shape for fused KV materialization: "
             f"got {cache_shape}, expected (max_pos, {config.rotary_dim}) with max_pos > 0."
         )
+    _check_layer_rope_table(layer_rope_table, cache_shape, n_layers)
     if _shape(positions) != (total_ctx,):
         raise ValueError(
             "Invalid positions shape for fused KV materialization: "
             f"got {_shape(positions)}, expected {(total_ctx,)}."
+        )
+
+
+def _check_layer_rope_table(layer_rope_table, cache_shape, n_layers):
+    """Each layer's table index: given exactly when ``cos_sin_cache`` holds several tables."""
+    if len(cache_shape) == 2:
+        if layer_rope_table is not None:
+            raise ValueError(
+                "Invalid layer_rope_table for fused KV materialization: got an array with a 2-D "
+                "cos_sin_cache, expected None (one table serves every layer; a 3-D cos_sin_cache "
+                "[n_tables, max_pos, rotary_dim] takes a table index per layer)."
+            )
+        return
+    if layer_rope_table is None:
+        raise ValueError(
+            "Invalid layer_rope_table for fused KV materialization: got None with a 3-D cos_sin_cache "
+            f"of {cache_shape[0]} tables, expected int32{(n_layers,)} naming each layer's table."
+        )
+    if _shape(layer_rope_table) != (n_layers,) or dtype_name(layer_rope_table.dtype) != "int32":
+        raise ValueError(
+            "Invalid layer_rope_table for fused KV materialization: got "
+            f"{dtype_name(layer_rope_table.dtype)}{_shape(layer_rope_table)}, expected int32{(n_layers,)} "
+            "(each layer's table in cos_sin_cache)."
         )
 
 
@@ -559,6 +594,7 @@ def validate_cache_call(
     v_scale=None,
     v_multiplier=None,
     check_buffers: bool = True,
+    layer_rope_table=None,
 ) -> CallShape:
     """:func:`validate_call`, then the paged-cache arguments of the op written into a cache.
 
@@ -569,7 +605,7 @@ def validate_cache_call(
     call = validate_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
-        v_multiplier=v_multiplier,
+        v_multiplier=v_multiplier, layer_rope_table=layer_rope_table,
     )
     if dtype_name(cache_loc.dtype) not in POSITION_DTYPES:
         raise ValueError(
@@ -639,8 +675,10 @@ def _check_scale(name, scale, needed, n_layers):
 _ACCEPTED_CALLS: dict[tuple, AcceptedCall] = {}
 _MAX_ACCEPTED_CALLS = 4096
 
-_CALL_ARRAYS = ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "k_out", "v_out", "v_multiplier")
-_CACHE_CALL_ARRAYS = _CALL_ARRAYS[:5] + ("cache_loc", "k_cache", "v_cache", "k_scale", "v_scale", "v_multiplier")
+_CALL_ARRAYS = ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "k_out", "v_out", "v_multiplier",
+                "layer_rope_table")
+_CACHE_CALL_ARRAYS = _CALL_ARRAYS[:5] + ("cache_loc", "k_cache", "v_cache", "k_scale", "v_scale", "v_multiplier",
+                                         "layer_rope_table")
 
 
 class AcceptedCall:
@@ -722,24 +760,25 @@ def _remember(signature: tuple | None, call: CallShape) -> AcceptedCall:
 
 def accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, *, num_kv_heads: int,
                 head_dim: int, rotary_dim: int, rope_style: str = "neox", v_multiplier=None,
-                takes: str | None = None, remember: bool = True) -> AcceptedCall:
+                takes: str | None = None, remember: bool = True, layer_rope_table=None) -> AcceptedCall:
     """:func:`check_arrays` (``takes``: which arrays the entry point takes; None where the
     caller checks them itself) and :func:`validate_call` without ``check_buffers``, once
     per :func:`call_signature`: a call whose signature passed before is not checked again;
     one that fails raises every time. Run :func:`check_output_buffers` after it, on every
     call. ``remember=False`` checks without remembering (traced calls: torch.compile)."""
     return _accept("call", _CALL_ARRAYS,
-                   (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, v_multiplier),
+                   (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, v_multiplier, layer_rope_table),
                    (num_kv_heads, head_dim, rotary_dim, rope_style), takes, remember, _validate_call)
 
 
 def accept_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale,
                       v_scale, *, num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str = "neox",
-                      v_multiplier=None, takes: str | None = None, remember: bool = True) -> AcceptedCall:
+                      v_multiplier=None, takes: str | None = None, remember: bool = True,
+                      layer_rope_table=None) -> AcceptedCall:
     """:func:`accept_call` for :func:`validate_cache_call`."""
     return _accept("cache", _CACHE_CALL_ARRAYS,
                    (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale, v_scale,
-                    v_multiplier),
+                    v_multiplier, layer_rope_table),
                    (num_kv_heads, head_dim, rotary_dim, rope_style), takes, remember, _validate_cache_call)
 
 
@@ -758,17 +797,19 @@ def _accept(kind: str, names, arrays: tuple, static: tuple, takes, remember: boo
     return _remember(signature, validate(*arrays, *static))
 
 
-def _validate_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, v_multiplier, num_kv_heads,
-                   head_dim, rotary_dim, rope_style) -> CallShape:
+def _validate_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, v_multiplier, layer_rope_table,
+                   num_kv_heads, head_dim, rotary_dim, rope_style) -> CallShape:
     return validate_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=k_out, v_out=v_out,
-                         v_multiplier=v_multiplier,
+                         v_multiplier=v_multiplier, layer_rope_table=layer_rope_table,
                          num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
                          check_buffers=False)
 
 
 def _validate_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale,
-                         v_scale, v_multiplier, num_kv_heads, head_dim, rotary_dim, rope_style) -> CallShape:
+                         v_scale, v_multiplier, layer_rope_table, num_kv_heads, head_dim, rotary_dim,
+                         rope_style) -> CallShape:
     return validate_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
                                k_scale=k_scale, v_scale=v_scale, v_multiplier=v_multiplier,
+                               layer_rope_table=layer_rope_table,
                                num_kv_heads=num_kv_heads, head_dim=head_dim,
                                rotary_dim=rotary_dim, rope_style=rope_style, check_buffers=False)
