@@ -84,7 +84,7 @@ def _backward_kernel(kv_ref, cos_sin_ref, positions_ref, grad_k_ref, grad_v_ref,
                mask=head_rows.loaded & dims_ok[None, None, :], other=0.0).astype(jnp.float32)
          for columns in (dims, partner)]
     rotatable = (positions >= 0) & (positions < cos_sin_ref.shape[0])
-    cos, sin = _load_cos_sin(cos_sin_ref, positions, (in_context & rotatable)[:, None],
+    cos, sin = _load_cos_sin(cos_sin_ref, None, positions, (in_context & rotatable)[:, None],
                              *form.frequencies(head_dim, rotary_dim, rope_style))
     eps = _layer_value(eps_ref, layer)
     inv_rms = _inverse_rms(jnp.sum(x * x, axis=-1, keepdims=True), eps, head_dim, rotatable)

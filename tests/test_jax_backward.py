@@ -2,6 +2,8 @@
 NumPy reference backward: under jax.vjp, jax.grad in jit, jax.checkpoint, check_grads,
 and through the materializer."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -147,3 +149,20 @@ def test_jax_materialize_differentiates_to_ctx_hidden_and_the_weights():
     assert_grad_close(grad_hidden, grad_kv @ weight, "float32", "ctx_hidden")
     assert_grad_close(grad_materializer.kv_proj_weight, grad_kv.T @ ctx_hidden, "float32", "kv_proj_weight")
     assert_grad_close(grad_materializer.k_norm_weight, grad_norm_weight, "float32", "k_norm_weight")
+
+
+def test_per_layer_tables_in_a_differentiated_call_are_refused():
+    config = FusedKVConfig(2, 8, 8, "neox")
+    arrays, _, _ = _inputs(config)
+    kv, weight, eps, cache, positions = (jnp.asarray(a) for a in arrays)
+    tables, index = jnp.stack([cache, cache]), jnp.zeros(kv.shape[1], jnp.int32)
+
+    def loss(kv):
+        k, v = fusedkv_jax.fused_kv_norm_rope(kv, weight, eps, tables, positions, **_static(config),
+                                              layer_rope_table=index)
+        return jnp.sum(k)
+
+    message = ("Invalid layer_rope_table for fused KV materialization: got per-layer tables in a differentiated "
+               "call, expected None there (the backward pass reads one 2-D cos_sin_cache).")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):  # jax appends a note on its frames
+        jax.grad(loss)(kv)

@@ -61,16 +61,26 @@ def _is_jax(code: str) -> bool:
     return "torch" not in code
 
 
+def _section_end(heading: str) -> int:
+    """The line of the next ``## `` heading after ``heading``'s."""
+    lines = README.read_text().splitlines()
+    start = lines.index(heading)
+    return next(number for number, line in enumerate(lines[start + 1:], start + 2) if line.startswith("## "))
+
+
 def _jax_fragment_runs() -> list[list[tuple[int, str]]]:
-    """The JAX fragments, each after the JAX snippets (their inputs) and the names the
+    """The JAX fragments, each after the JAX snippets that make their inputs (the op's and the
+    materializer's sections; later sections make drafts of their own) and the names the
     section takes as given; one that makes no mesh of its own follows the one before."""
     given = (0, "from jax.sharding import NamedSharding, PartitionSpec as P\n"
                 "from fusedkv_jax.sharding import head_major_kv, head_parallel_materializer\n"
                 "k_norm_weight, eps = jnp.ones((L, D)), jnp.full((L,), 1e-6)\n")
+    inputs_end = _section_end("## From hidden states to the KV cache: `FusedKVMaterializer`")
+    inputs = [block for block in SNIPPETS if _is_jax(block[1]) and block[0] < inputs_end]
     runs = []
     for fragment in filter(lambda block: _is_jax(block[1]), FRAGMENTS):
         if "mesh = " in fragment[1] or not runs:
-            runs.append([block for block in SNIPPETS if _is_jax(block[1])] + [given])
+            runs.append(inputs + [given])
         runs[-1].append(fragment)
     return runs
 

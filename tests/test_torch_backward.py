@@ -214,3 +214,16 @@ def test_materialize_carries_grad_fn_to_ctx_hidden_and_the_layers_weights():
                           @ as_numpy(ctx_hidden.detach()), "float32", f"layers[{index}].kv_proj_weight")
         assert_grad_close(layer.k_norm_weight.grad, grad_norm_weight[index], "float32",
                           f"layers[{index}].k_norm_weight")
+
+
+def test_per_layer_tables_in_a_call_that_requires_grad_are_refused():
+    config = FusedKVConfig(2, 8, 8, "neox")
+    kv, weight, eps, cache, positions, _ = _op_leaves(config)
+    tables = torch.stack([cache, cache])
+    message = ("Invalid layer_rope_table for fused KV materialization: got per-layer tables while kv, "
+               "k_norm_weight or v_multiplier requires grad, expected None there (the backward pass reads "
+               "one 2-D cos_sin_cache).")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        fusedkv_torch.fused_kv_norm_rope(kv.requires_grad_(), weight, eps, tables, positions, **_static(config),
+                                         layer_rope_table=torch.zeros(kv.shape[1], dtype=torch.int32,
+                                                                      device=DEVICE))
