@@ -266,7 +266,8 @@ def _project(materializer: FusedKVMaterializer, ctx_hidden: jax.Array, *, fp8_ge
     if materializer.config.fp8_weights:
         kv = _fp8_projection(ctx_hidden, weight, materializer.weight_scale, materializer.kv_proj_bias, fp8_gemm)
     else:
-        kv = jnp.dot(ctx_hidden.astype(weight.dtype), weight.T)
+        # Full precision: XLA would otherwise run an fp32 dot on a GPU's TF32 tensor cores (torch does not).
+        kv = jnp.dot(ctx_hidden.astype(weight.dtype), weight.T, precision=jax.lax.Precision.HIGHEST)
         if materializer.kv_proj_bias is not None:
             kv = kv + materializer.kv_proj_bias
     return kv.reshape(materializer.config.kv_shape(ctx_hidden.shape[0]))

@@ -66,7 +66,7 @@ def supports(config: FusedKVConfig, kv_dtype) -> bool:
     if config.rope_style != "neox" or dtype not in [jnp.dtype(d) for d in _KV_DTYPES]:
         return False
     half, tail = config.rotary_dim // 2, config.head_dim - config.rotary_dim
-    # K, V and the K parts out in kv's dtype, the cos/sin rows in at most fp32.
+    # K, V and the K parts out in kv's dtype, the cos/sin rows in fp32.
     shared_bytes = BLOCK_TOKENS * (3 * config.head_dim * dtype.itemsize + 4 * config.rotary_dim)
     return (config.head_dim <= _MAX_BOX and shared_bytes <= _SHARED_BYTES
             and all(width % 8 == 0 and width * dtype.itemsize % 32 == 0
@@ -98,7 +98,7 @@ def _fused_kv_norm_rope_kernel(*refs, head_dim: int, rotary_dim: int, tokens_per
 
     Refs (in global memory): ``kv[total_ctx, n_layers, 2, heads, head_dim]``,
     ``weight[n_layers, head_dim]`` fp32, ``eps[n_layers]``, ``cos_sin[max_pos,
-    rotary_dim]`` (fp32, bf16 or fp16, converted as loaded), ``positions[total_ctx]`` int32, ``k_out, v_out[n_layers, total_ctx,
+    rotary_dim]`` fp32 (a bf16 or fp16 table is converted before the launch), ``positions[total_ctx]`` int32, ``k_out, v_out[n_layers, total_ctx,
     heads, head_dim]``; then the shared-memory tiles and barriers, by name.
     """
     _fused_kv_block(*refs, program=tuple(jax.lax.axis_index(name) for name in GRID_NAMES),
@@ -156,7 +156,7 @@ def _fused_kv_block(
     normed = (k * jax.lax.broadcast_in_dim(inv_rms, k.shape, (0,))
               * jax.lax.broadcast_in_dim(weight, k.shape, (1,)))
     plgpu.barrier_wait(rows_loaded)
-    cos_sin = _load(cos_sin_tile, plgpu.Layout.WGMMA, interpret).astype(jnp.float32)
+    cos_sin = _load(cos_sin_tile, plgpu.Layout.WGMMA, interpret)
     cos, sin = cos_sin[:, :half], cos_sin[:, half:]
     first_half, second_half = normed[:, :half], normed[:, half:rotary_dim]
     parts = [first_half * cos - second_half * sin, second_half * cos + first_half * sin]
@@ -211,7 +211,7 @@ def launch(kv, k_norm_weight, eps, cos_sin_cache, positions, *, config: FusedKVC
                    for width, start in zip(widths, starts)],
         weight_tile=plgpu.SMEM((dim,), jnp.float32),
         positions_tile=plgpu.SMEM((BLOCK_TOKENS,), jnp.int32),
-        cos_sin_tile=plgpu.SMEM((BLOCK_TOKENS, rotary_dim), cos_sin_cache.dtype),
+        cos_sin_tile=plgpu.SMEM((BLOCK_TOKENS, rotary_dim), jnp.float32),
         eps_rows=plgpu.SMEM((BLOCK_TOKENS,), jnp.float32),
         loaded=plgpu.Barrier(num_arrivals=3 if tiled else 4),
         positions_loaded=plgpu.Barrier(num_arrivals=1),
@@ -231,7 +231,8 @@ def launch(kv, k_norm_weight, eps, cos_sin_cache, positions, *, config: FusedKVC
         interpret=_interpret_params() if interpret else None,
         kernel_name="fused_kv_norm_rope_mosaic",
     )(kv.reshape(total_ctx, n_layers, 2, heads, dim), k_norm_weight.astype(jnp.float32),
-      eps.astype(jnp.float32), cos_sin_cache, positions)
+      # A bf16/fp16 table's rows in shared memory end in a misaligned address on Hopper: fp32 rows.
+      eps.astype(jnp.float32), cos_sin_cache.astype(jnp.float32), positions)
 
 
 def _interpret_params():

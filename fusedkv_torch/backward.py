@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from fusedkv_torch.kernel import (
+    _SHORT_CONTEXT_END,
     _inverse_rms,
     _layer_multiplier,
     _load_head_rows,
@@ -151,6 +152,18 @@ def _fused_kv_norm_rope_backward_kernel(
 _launcher = DirectLauncher(_fused_kv_norm_rope_backward_kernel)
 
 
+def backward_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, interpret: bool = False) -> tuple[int, int, int]:
+    """``(block_tokens, block_heads, num_warps)`` of the backward: 16 head rows a program (4 tokens
+    of 4 heads where the heads allow) over threads holding 32 elements of each row they read.
+    A program reads K and its gradient and writes the gradient, so it wants more rows in flight
+    than the forward's tiles of about 8; short contexts and the interpreter take the forward's."""
+    if interpret or total_ctx < _SHORT_CONTEXT_END:
+        return default_tile(total_ctx, num_kv_heads, head_dim, interpret=interpret)
+    block_heads = min(4, num_kv_heads & -num_kv_heads)  # the largest power of two dividing the heads, at most 4
+    block_tokens = 16 // block_heads
+    return block_tokens, block_heads, max(1, min(8, 16 * next_power_of_2(head_dim) // 1024))
+
+
 def launch_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, grad_v, v_multiplier, *,
                     config: FusedKVConfig, tile: tuple = (None, None, None)
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -165,9 +178,7 @@ def launch_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, gr
     if total_ctx == 0 or n_layers == 0:
         return (grad_kv, kv.new_zeros(weight_shape, dtype=_weight_dtype(k_norm_weight)),
                 kv.new_zeros(multiplier_shape, dtype=torch.float32))
-    default = default_tile(total_ctx, config.num_kv_heads, config.head_dim, interpret=_launcher.interpreted)
-    # Twice the forward's threads: a tile loads twice the forward's bytes (K and V with their gradients).
-    default = (default[0], default[1], 2 * default[2])
+    default = backward_tile(total_ctx, config.num_kv_heads, config.head_dim, interpret=_launcher.interpreted)
     block_tokens, block_heads, num_warps = (given or chosen for given, chosen in zip(tile, default))
     token_blocks, head_groups = -(-total_ctx // block_tokens), config.num_kv_heads // block_heads
     grid = token_blocks * n_layers * head_groups

@@ -17,7 +17,8 @@ import pytest
 from backends import host
 from interop.core.arrays import numpy_dtype
 from interop.core.materializer import (LayerKV, MaterializerConfig, dequantized_weight, head_parallel_layers,
-                                      projection_reference, validate_layers)
+                                      projection_reference, quantize_per_token, validate_layers,
+                                      weight_scale_rows)
 from interop.core.spec import FusedKVConfig
 from interop.testing import (END_TO_END_TOLERANCE, FP8_GEMM_TOLERANCE, TOLERANCES, MaterializerCase,
                              assert_bit_exact, assert_close, fp8_layers, random_case)
@@ -80,6 +81,20 @@ def _assert_dequantize_then_gemm(backend, case: MaterializerCase) -> None:
     assert_close(v, v_expected, name="v", tolerance=END_TO_END_TOLERANCE)
 
 
+def _assert_within_fp8_accumulation(kv, emulated, case: MaterializerCase) -> None:
+    """``kv`` from the FP8 GEMM against its fp64 emulation: within one bf16 rounding plus an
+    accumulation error of 2**-10 of the sum of the products' magnitudes. FP8 tensor cores add
+    in fewer bits than fp32 (about 14 on Hopper, as the DeepSeek-V3 report measured), so a
+    result that cancels may be off by many of its own ulps, never by a wrong scale's error."""
+    codes, scale = quantize_per_token(case.ctx_hidden.astype(numpy_dtype("bfloat16")).astype(np.float32))
+    magnitude = np.stack([np.abs(codes.astype(np.float64)) @ np.abs(host(layer.kv_proj_weight).astype(np.float64)).T
+                          * scale * weight_scale_rows(layer) for layer in case.layers], axis=1)
+    error = np.abs(kv.astype(np.float64) - emulated)
+    bound = 2.0 ** -8 * np.abs(emulated) + 2.0 ** -10 * magnitude
+    assert (error <= bound).all(), (f"kv: {(error > bound).sum()} of {error.size} elements beyond the FP8 GEMM's "
+                                    f"bound; worst excess {(error - bound).max():.3g}")
+
+
 def _assert_fp8_gemm(backend, case: MaterializerCase) -> None:
     """The tensor cores' GEMM: its emulation within one rounding, dequantize-then-GEMM within
     FP8_GEMM_TOLERANCE; the op on its output as on any kv."""
@@ -87,7 +102,7 @@ def _assert_fp8_gemm(backend, case: MaterializerCase) -> None:
     ctx_hidden, positions = backend.put(case.ctx_hidden), backend.put(case.positions)
     kv = host(materializer.project(ctx_hidden))
     emulated = projection_reference(case.layers, case.ctx_hidden, fp8_activations=True)
-    assert_close(kv, emulated.astype(kv.dtype), name="kv", tolerance=TOLERANCES["bfloat16"])
+    _assert_within_fp8_accumulation(kv, emulated, case)
     k, v = materializer.materialize(ctx_hidden, positions)
     k_reference, v_reference = case.op_reference(kv)
     assert_close(k, k_reference)
@@ -229,11 +244,16 @@ def test_fp8_weights_under_autograd_run_dequantize_then_gemm_and_give_the_gradie
     import fusedkv_torch
     from interop.exchange import to_torch
 
+    device = "cuda" if torch.cuda.is_available() and not fusedkv_torch.kernel._launcher.interpreted else "cpu"
+
+    def put(array):
+        return None if array is None else to_torch(array).to(device)
+
     case = _case("per-row", kv_bias=True)
     materializer = fusedkv_torch.FusedKVMaterializer([dataclasses.replace(
-        layer, **{field: to_torch(getattr(layer, field)) for field in FIELDS}) for layer in case.layers])
-    ctx_hidden = to_torch(case.ctx_hidden.astype(np.float32)).requires_grad_()
-    k, v = materializer.materialize(ctx_hidden, to_torch(case.positions))
+        layer, **{field: put(getattr(layer, field)) for field in FIELDS}) for layer in case.layers])
+    ctx_hidden = put(case.ctx_hidden.astype(np.float32)).requires_grad_()
+    k, v = materializer.materialize(ctx_hidden, put(case.positions))
     assert k.grad_fn is not None and v.grad_fn is not None
     k_expected, v_expected = case.end_to_end_reference()
     assert_close(k.detach(), k_expected, tolerance=END_TO_END_TOLERANCE)
@@ -241,5 +261,5 @@ def test_fp8_weights_under_autograd_run_dequantize_then_gemm_and_give_the_gradie
     v.float().sum().backward()  # d(sum of V)/d(hidden): every layer's dequantized V rows, summed
     v_rows = sum(dequantized_weight(layer)[OP.kv_size:].astype(np.float64).sum(axis=0) for layer in case.layers)
     # The gradient passes the casts of hidden to bf16 and back: it is rounded to bf16, half an ulp.
-    np.testing.assert_allclose(ctx_hidden.grad.numpy(), np.broadcast_to(v_rows, case.ctx_hidden.shape),
+    np.testing.assert_allclose(ctx_hidden.grad.cpu().numpy(), np.broadcast_to(v_rows, case.ctx_hidden.shape),
                                rtol=2.0 ** -8, atol=1e-6)

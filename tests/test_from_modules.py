@@ -23,6 +23,8 @@ from test_from_pretrained import (FAMILIES, TINY, TOKENS, _assert_k_matches_tran
                                   _transformers_kv)
 
 HIDDEN, HEADS, HEAD_DIM = 64, 2, 16
+# Where the materializer runs: the GPU where there is one (the kernel interpreted on the CPU otherwise).
+DEVICE = "cuda" if torch.cuda.is_available() and not fusedkv_torch.kernel._launcher.interpreted else "cpu"
 
 
 def _model(family: str):
@@ -49,10 +51,11 @@ def _inputs(seed: int = 0):
 def test_transformers_attention_modules_give_transformers_k_and_v(family):
     model = _model(family)
     attentions = [layer.self_attn for layer in model.model.layers]
-    materializer = fusedkv_torch.FusedKVMaterializer.from_modules(attentions, model.model.rotary_emb)
     hidden, positions = _inputs()
-    k, v = materializer.materialize(torch.from_numpy(hidden), torch.from_numpy(positions))
     k_expected, v_expected, normed = _transformers_kv(attentions, model.model.rotary_emb, hidden, positions)
+    model.to(DEVICE)
+    materializer = fusedkv_torch.FusedKVMaterializer.from_modules(attentions, model.model.rotary_emb)
+    k, v = materializer.materialize(torch.from_numpy(hidden).to(DEVICE), torch.from_numpy(positions))
     rope = RopeConfig.from_hf_config(model.config.to_dict(), max_position=TINY["max_position_embeddings"])
     assert materializer.config.normed == (family == "qwen3-k-norm")
     assert materializer.config.biased == (family == "qwen2-bias")
@@ -106,12 +109,14 @@ def test_a_vllm_shaped_module_gives_the_reference_on_its_weights(rotary_dim, neo
     torch.manual_seed(3)
     rotary_emb = RotaryEmbedding(rotary_dim, neox)
     attentions = [FusedQKVAttention(rotary_emb, bias=bias, eps_name=eps_name) for _ in range(2)]
-    materializer = fusedkv_torch.FusedKVMaterializer.from_modules(attentions)  # layer 0's rotary_emb
     hidden, positions = _inputs(seed=1)
-    kv = host(materializer.project(torch.from_numpy(hidden)))
-    k, v = materializer.materialize(torch.from_numpy(hidden), torch.from_numpy(positions))
     rope = RopeConfig(rotary_dim, 256, style="neox" if neox else "gptj")
     case = _reference_case(attentions, rope, hidden, positions)
+    for attention in attentions:
+        attention.to(DEVICE)
+    materializer = fusedkv_torch.FusedKVMaterializer.from_modules(attentions)  # layer 0's rotary_emb
+    kv = host(materializer.project(torch.from_numpy(hidden).to(DEVICE)))
+    k, v = materializer.materialize(torch.from_numpy(hidden).to(DEVICE), torch.from_numpy(positions))
     assert_close(kv, projection_reference(case.layers, hidden), name="kv", tolerance=TOLERANCES["float32"])
     k_reference, v_reference = case.op_reference(kv)
     assert_close(k, k_reference)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fusedkv_torch
+from fusedkv_torch.backward import backward_tile
 from interop.core.arrays import as_numpy
 from interop.core.materializer import LayerKV, RopeConfig
 from interop.core.reference_backward import fused_kv_norm_rope_backward_reference
@@ -227,3 +228,10 @@ def test_per_layer_tables_in_a_call_that_requires_grad_are_refused():
         fusedkv_torch.fused_kv_norm_rope(kv.requires_grad_(), weight, eps, tables, positions, **_static(config),
                                          layer_rope_table=torch.zeros(kv.shape[1], dtype=torch.int32,
                                                                       device=DEVICE))
+
+
+@pytest.mark.parametrize("heads, tile", [(8, (4, 4, 2)), (2, (8, 2, 2)), (1, (16, 1, 2)), (6, (8, 2, 2))])
+def test_backward_tiles_hold_sixteen_head_rows_over_threads_of_32_elements(heads, tile):
+    assert backward_tile(4096, heads, 128) == tile
+    assert backward_tile(4096, heads, 256)[2] == 2 * tile[2]
+    assert backward_tile(16, heads, 128) == fusedkv_torch.kernel.default_tile(16, heads, 128)

@@ -19,8 +19,9 @@ from interop.core.reference_backward import fused_kv_norm_rope_backward_referenc
 from interop.core.spec import CallShape
 from interop.testing import gradient_mismatch
 
-# The custom call of a Pallas kernel on its Triton lowering (jax 0.10-0.11).
-PALLAS_TRITON_TARGET = "triton_kernel_call_ffi"
+# The custom call of a Pallas kernel on its Triton lowering: XLA's own Triton call (what jax
+# 0.11.2 compiles to on an H200), or jaxlib's FFI call, which some jaxlib versions emit instead.
+PALLAS_TRITON_TARGET = r"__gpu\$xla\.gpu\.triton|triton_kernel_call_ffi"
 
 
 def backward_bytes(workload: Workload) -> int:

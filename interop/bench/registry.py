@@ -44,7 +44,7 @@ __all__ = ["BY_NAME", "IMPLEMENTATIONS", "KINDS", "LAUNCH_FLOOR", "Calls", "Impl
 
 KINDS = ("kernel", "backward", "baseline", "copy", "floor", "materializer", "interop", "host")
 # The custom call jax lowers a Mosaic GPU kernel to (jax 0.10-0.11).
-MOSAIC_GPU_TARGET = "mosaic_gpu_v2"
+MOSAIC_GPU_TARGET = "mosaic_gpu_v2"  # a regex of one name
 LAUNCH_FLOOR = "triton-launch"
 
 

@@ -41,7 +41,7 @@ class Steps:
     ``check(outputs, index)`` judges the outputs of a call on set ``index``;
     ``fresh_outputs``: the step allocates its outputs instead of writing the ones it is
     given; ``kernel_target``: the step is one kernel XLA cannot fuse into, a custom call
-    of this target, which the compiled jit must launch once per call; ``shift_inputs``:
+    whose target matches this regex, which the compiled jit must launch once per call; ``shift_inputs``:
     :func:`~interop.bench.timers.chained_calls`'s override of its rule (None keeps it);
     ``calls_bytes``: the bytes a call's time is estimated from to size a jit, where not
     ``bytes_moved`` (rows compared with each other run as many calls a jit).
