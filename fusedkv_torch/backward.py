@@ -29,8 +29,7 @@ from fusedkv_torch.kernel import (
     _inverse_rms,
     _layer_multiplier,
     _load_head_rows,
-    _load_norm,
-    _load_rotary_halves,
+    _load_rotation_and_norm,
     _rotate,
     _store_head_rows,
     _store_rotary_halves,
@@ -116,14 +115,10 @@ def _fused_kv_norm_rope_backward_kernel(
                   + head_dims * gv_stride_d, mask=v_mask, other=0.0)
 
     rotatable = (positions >= 0) & (positions < max_position)
-    every_head = heads * 0
-    cos_sin_rows = (cos_sin_ptr + positions * cos_sin_stride_p)[:, None, None] + every_head
-    cos, sin = _load_rotary_halves(cos_sin_rows, cos_sin_stride_d, (in_context & rotatable)[:, None, None] &
-                                   (every_head == 0), BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, ROTARY_DIM, False)
-    w_first, w_second, w_tail, eps = _load_norm(k_norm_weight_ptr, layer, weight_stride_l, weight_stride_d,
-                                                tokens[:, None, None] * 0 + every_head, eps_ptr, eps_stride,
-                                                BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM,
-                                                ROTARY_DIM, GPTJ)
+    cos, sin, w_first, w_second, w_tail, eps = _load_rotation_and_norm(
+        cos_sin_ptr, positions, in_context & rotatable, tokens, heads, cos_sin_stride_p, cos_sin_stride_d,
+        k_norm_weight_ptr, layer, weight_stride_l, weight_stride_d, eps_ptr, eps_stride,
+        BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ)
     v_multiplier = _layer_multiplier(v_multiplier_ptr, layer, v_multiplier_stride)
 
     grad_rows = grad_kv_ptr + tokens[:, None, None] * grad_stride_t + layer * grad_stride_l

@@ -146,6 +146,26 @@ def _load_head_rows(row_ptrs, stride, mask, TOKENS: tl.constexpr, HEADS: tl.cons
 
 
 @triton.jit
+def _load_rotation_and_norm(cos_sin_table, positions, rotated, tokens, heads, cos_sin_stride_p, cos_sin_stride_d,
+                            weight_ptr, layer, weight_stride_l, weight_stride_d, eps_ptr, eps_stride,
+                            TOKENS: tl.constexpr, HEADS: tl.constexpr, PAIR_BLOCK: tl.constexpr,
+                            TAIL_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
+                            GPTJ: tl.constexpr):
+    """``(cos, sin, w_first, w_second, w_tail, eps)``: the cos/sin rows of the tokens' positions
+    in ``cos_sin_table`` (1 and 0 for a token not ``rotated``, whose row is never read) and the
+    layer's K-norm (:func:`_load_norm`), all at K's ``[tokens, heads, dims]`` shape, as
+    :func:`_load_norm` says why."""
+    every_head = heads * 0
+    cos_sin_rows = (cos_sin_table + positions * cos_sin_stride_p)[:, None, None] + every_head
+    cos, sin = _load_rotary_halves(cos_sin_rows, cos_sin_stride_d, rotated[:, None, None] & (every_head == 0),
+                                   TOKENS, HEADS, PAIR_BLOCK, ROTARY_DIM, False)
+    w_first, w_second, w_tail, eps = _load_norm(weight_ptr, layer, weight_stride_l, weight_stride_d,
+                                                tokens[:, None, None] * 0 + every_head, eps_ptr, eps_stride,
+                                                TOKENS, HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ)
+    return cos, sin, w_first, w_second, w_tail, eps
+
+
+@triton.jit
 def _load_norm(weight_ptr, layer, weight_stride_l, weight_stride_d, every_row, eps_ptr, eps_stride,
                TOKENS: tl.constexpr, HEADS: tl.constexpr, PAIR_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr,
                HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, GPTJ: tl.constexpr):
@@ -301,16 +321,10 @@ def _fused_kv_norm_rope_kernel(
     v = tl.load(kv_rows + (NUM_HEADS + heads) * head_stride + head_dims * kv_stride_d,
                 mask=loaded & (head_dims < HEAD_DIM))
 
-    # The cos/sin rows come at K's [tokens, heads, dims] shape, as the weight rows do
-    # (_load_norm says why). A bad position or table index is never read.
-    every_head = heads * 0
-    cos_sin_rows = (cos_sin_table + positions * cos_sin_stride_p)[:, None, None] + every_head
-    cos, sin = _load_rotary_halves(cos_sin_rows, cos_sin_stride_d, (in_context & rotatable)[:, None, None] &
-                                   (every_head == 0), BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, ROTARY_DIM, False)
-    w_first, w_second, w_tail, eps = _load_norm(k_norm_weight_ptr, layer, weight_stride_l, weight_stride_d,
-                                                tokens[:, None, None] * 0 + every_head, eps_ptr, eps_stride,
-                                                BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM,
-                                                ROTARY_DIM, GPTJ)
+    cos, sin, w_first, w_second, w_tail, eps = _load_rotation_and_norm(
+        cos_sin_table, positions, in_context & rotatable, tokens, heads, cos_sin_stride_p, cos_sin_stride_d,
+        k_norm_weight_ptr, layer, weight_stride_l, weight_stride_d, eps_ptr, eps_stride,
+        BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ)
     # Each cache has its own scale: an fp8 K cache may sit beside a bf16 V cache.
     k_scale, k_inverse_scale = _layer_scale(k_scale_ptr, layer, k_scale_stride)
     v_scale, v_inverse_scale = _layer_scale(v_scale_ptr, layer, v_scale_stride)
