@@ -351,7 +351,8 @@ def test_the_draft_options_reach_the_reference_and_every_backend(monkeypatch):
     options = CheckOptions(n_layers=3, num_kv_heads=2, head_dim=16, rotary_dim=16, total_ctx=3,
                            max_position=64, tables=2, k_norm=False, v_multiplier=True)
     assert run_check(options).ok
-    assert [kwargs.get("backend", "reference") for _, kwargs in seen] == ["reference", "torch", "torch", "jax", "jax"]
+    callers = [kwargs.get("backend", "reference") for _, kwargs in seen]
+    assert callers == ["reference", "torch", "torch", "jax", "jax"]
     for arrays, kwargs in seen:
         _, k_norm_weight, eps, table, _ = (None if a is None else host(a) for a in arrays)
         assert k_norm_weight is None and eps is None
