@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -18,8 +19,10 @@ import interop  # noqa: E402
 from interop import dispatch  # noqa: E402
 from interop.command import check as check_command  # noqa: E402
 from interop.command import cli  # noqa: E402
-from interop.command.backends import gpu_framework, run_backend  # noqa: E402
+from interop.command.backends import gpu_framework, place_inputs, run_backend, triton_interpreted  # noqa: E402
 from interop.command.check import CheckOptions, run_check  # noqa: E402
+from interop.core.arrays import as_numpy as host  # noqa: E402
+from interop.core.reference import rope_cos_sin_cache  # noqa: E402
 
 ON_CPU = gpu_framework() is None
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -59,6 +62,8 @@ def _refusal(argv, capsys, monkeypatch) -> str:
     (["--backends", "torch,"], "--backends"),
     (["--dtype", "int8"], "--dtype"),
     (["--rope-style", "llama"], "--rope-style"),
+    (["--tables", "0"], "--tables"),
+    (["--tables", "1.5"], "--tables"),
 ])
 def test_a_bad_value_is_an_argparse_error_naming_its_option(argv, option, capsys, monkeypatch):
     message = _refusal(argv, capsys, monkeypatch)
@@ -87,6 +92,8 @@ def test_rotary_dim_must_be_even_and_at_most_head_dim(argv, capsys, monkeypatch)
                                                  "100000 needs"),
     (["--tokens", "16", "--head-dim", "100000", "--rotary-dim", "99998"], "argument --rotary-dim: a cos/sin table of 32768 "
                                                         "rows of 99998 needs"),
+    (["--tokens", "16", "--max-position", "10000000", "--tables", "8"],
+     "argument --max-position/--tables: 8 cos/sin tables of 10000000 rows of 128 need"),
 ])
 def test_sizes_beyond_the_machines_memory_are_refused_naming_the_option_to_shrink(argv, start, capsys,
                                                                                 monkeypatch):
@@ -119,7 +126,7 @@ def test_interpret_mode_announces_a_long_check_with_its_estimate(capsys, monkeyp
 
 
 SIZE_FIELDS = [("total_ctx", 32), ("n_layers", 4), ("num_kv_heads", 4), ("head_dim", 64),
-               ("rotary_dim", 32), ("max_position", 2048)]
+               ("rotary_dim", 32), ("max_position", 2048), ("tables", 2)]
 
 
 @pytest.mark.parametrize("field, larger", SIZE_FIELDS, ids=[field for field, _ in SIZE_FIELDS])
@@ -166,7 +173,7 @@ def test_help_shows_each_default_once_and_no_markup(capsys):
     flat = " ".join(out.split())
     assert "--rope-style {neox,gptj} which dims RoPE rotates together" in flat
     for option in ("--layers", "--heads", "--head-dim", "--rotary-dim", "--rope-style", "--dtype",
-                   "--tokens", "--max-position", "--seed", "--backends"):
+                   "--tables", "--tokens", "--max-position", "--seed", "--backends"):
         help_text = flat.split(f" {option} ", 2)[-1].split(" --")[0]
         assert help_text.count("(default:") == 1, (option, help_text)
 
@@ -297,7 +304,8 @@ def test_json_names_each_option_as_its_flag(capsys):
     options = json.loads(capsys.readouterr().out)["options"]
     assert set(options) == flags
     assert options == {"layers": 2, "heads": 2, "head_dim": 32, "rotary_dim": 32, "rope_style": "neox",
-                       "dtype": "bfloat16", "table_dtype": "float32", "tokens": 5, "max_position": 32768, "seed": 0,
+                       "dtype": "bfloat16", "table_dtype": "float32", "tables": 1, "no_k_norm": False,
+                       "v_multiplier": False, "tokens": 5, "max_position": 32768, "seed": 0,
                        "backends": ["jax"]}
 
 
@@ -309,6 +317,80 @@ def test_check_runs_a_table_in_the_model_dtype_on_every_backend(capsys):
     assert cli.main(["check", *SMALL, "--table-dtype", "float16", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] and report["options"]["table_dtype"] == "float16"
+
+
+@pytest.mark.parametrize("argv, shown, option", [
+    (["--tables", "2"], ", 2 cos/sin tables (layer l: table l % 2), 5 tokens", {"tables": 2}),
+    (["--tables", "2", "--table-dtype", "float16"], ", 2 float16 cos/sin tables (layer l: table l % 2),",
+     {"tables": 2, "table_dtype": "float16"}),
+    (["--no-k-norm"], ", bfloat16, no K-norm, 5 tokens", {"no_k_norm": True}),
+    (["--v-multiplier"], ", bfloat16, v_multiplier, 5 tokens", {"v_multiplier": True}),
+])
+def test_check_runs_each_draft_option_on_every_backend_and_shows_it_in_the_header(argv, shown, option, capsys):
+    assert cli.main(["check", *SMALL, *argv]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert shown in lines[0] and lines[-1] == "ALL PASS"
+    assert cli.main(["check", *SMALL, *argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and {(row["subject"], row["against"]) for row in report["rows"]} == ROWS
+    assert {name: report["options"][name] for name in option} == option
+
+
+def test_the_draft_options_reach_the_reference_and_every_backend(monkeypatch):
+    seen = []
+
+    def recording(real):
+        def call(*arrays, **kwargs):
+            seen.append((arrays, kwargs))
+            return real(*arrays, **kwargs)
+        return call
+
+    monkeypatch.setattr(dispatch, "fused_kv_norm_rope", recording(dispatch.fused_kv_norm_rope))
+    monkeypatch.setattr(check_command, "fused_kv_norm_rope_reference",
+                        recording(check_command.fused_kv_norm_rope_reference))
+    options = CheckOptions(n_layers=3, num_kv_heads=2, head_dim=16, rotary_dim=16, total_ctx=3,
+                           max_position=64, tables=2, k_norm=False, v_multiplier=True)
+    assert run_check(options).ok
+    callers = [kwargs.get("backend", "reference") for _, kwargs in seen]
+    assert callers == ["reference", "torch", "torch", "jax", "jax"]
+    for arrays, kwargs in seen:
+        _, k_norm_weight, eps, table, _ = (None if a is None else host(a) for a in arrays)
+        assert k_norm_weight is None and eps is None
+        assert (table == np.stack([rope_cos_sin_cache(64, 16, base) for base in (1e4, 2e4)])).all()
+        assert host(kwargs["layer_rope_table"]).tolist() == [0, 1, 0]
+        multiplier = host(kwargs["v_multiplier"])
+        assert multiplier.dtype == np.float32 and multiplier.shape == (3,)
+        assert ((0.6 <= multiplier) & (multiplier < 0.72)).all() and len(set(multiplier.tolist())) == 3
+
+
+@pytest.mark.parametrize("field, shown", [("tables", "k"), ("k_norm", "k"), ("v_multiplier", "v")])
+def test_a_backend_given_the_inputs_without_a_draft_option_is_found_to_disagree(field, shown):
+    options = CheckOptions(n_layers=2, num_kv_heads=2, head_dim=16, rotary_dim=16, total_ctx=3,
+                           max_position=64, tables=2, k_norm=False, v_multiplier=True)
+    without = dataclasses.replace(options, **{field: getattr(CheckOptions(), field)})
+
+    def ignoring_the_option(name, placed, config):
+        return run_backend(name, place_inputs(check_command.check_arrays(without, 3)), config)
+
+    report = run_check(options, runners={"torch": run_backend, "jax": ignoring_the_option})
+    assert not report.ok
+    failed = {(row.subject, row.against): row for row in report.rows if row.ok is False}
+    assert set(failed) == {("jax", "reference"), ("torch", "jax")}
+    assert f"jax {shown}" in failed[("jax", "reference")].detail
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_v_multiplier_leaves_v_bit_exact_but_where_triton_interprets_a_bf16_rounding(dtype):
+    options = CheckOptions(n_layers=2, num_kv_heads=2, head_dim=16, rotary_dim=16, total_ctx=4,
+                           max_position=64, dtype=dtype, v_multiplier=True)
+    report = run_check(options)
+    assert report.ok
+    truncating = dtype == "bfloat16" and triton_interpreted()
+    for row in report.rows[1:]:
+        if truncating and "torch" in (row.subject, row.against):
+            assert row.v_mismatches > 0 and "rounds fp32 to bf16 by truncation" in row.detail, row
+        else:
+            assert row.v_mismatches == 0 and row.detail == "", row
 
 
 def test_check_with_its_defaults_compares_every_backend_and_pair(capsys):

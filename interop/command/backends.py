@@ -18,7 +18,6 @@ from interop import dispatch, registry
 from interop.core.arrays import as_numpy
 from interop.exchange import to_jax, to_torch
 from interop.core.spec import FusedKVConfig
-from interop.testing import OpInputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,14 +49,15 @@ def gpu_framework() -> str | None:
     return None
 
 
-def place_inputs(inputs: OpInputs) -> tuple:
-    """The inputs on the device every backend will read them from."""
+def place_inputs(arrays: tuple) -> tuple:
+    """The host ``arrays`` (None where an optional one is not given) on the device every
+    backend will read them from."""
     framework = gpu_framework()
     if framework == "torch":
-        return tuple(to_torch(a).to("cuda") for a in inputs.arrays())
+        return tuple(None if a is None else to_torch(a).to("cuda") for a in arrays)
     if framework == "jax":
-        return tuple(to_jax(a) for a in inputs.arrays())
-    return inputs.arrays()
+        return tuple(None if a is None else to_jax(a) for a in arrays)
+    return arrays
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +102,13 @@ def platform(name: str) -> Platform:
     return Platform(name, f"GPU ({kind})", f"Pallas kernel (Triton lowering), compiled for {kind}")
 
 
+def triton_interpreted() -> bool:
+    """Whether the torch backend runs Triton's interpreter here (as :func:`platform` says)."""
+    import torch
+
+    return not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def inputs_placement() -> str:
     """Where :func:`place_inputs` puts the inputs, in words."""
     framework = gpu_framework()
@@ -126,7 +133,10 @@ def _wait(outputs):
 
 
 def run_backend(name: str, placed: tuple, config: FusedKVConfig) -> BackendRun:
-    """Call backend ``name`` twice on ``placed`` and time both calls (the first compiles)."""
+    """Call backend ``name`` twice on ``placed`` and time both calls (the first compiles).
+
+    ``placed``: the op's five arrays, then ``v_multiplier`` and ``layer_rope_table`` (or None).
+    """
     try:
         registry.load_backend(name)
     except ImportError as error:
@@ -134,8 +144,9 @@ def run_backend(name: str, placed: tuple, config: FusedKVConfig) -> BackendRun:
 
     def call():
         return _wait(dispatch.fused_kv_norm_rope(
-            *placed, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-            rotary_dim=config.rotary_dim, rope_style=config.rope_style, backend=name))
+            *placed[:5], num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+            rotary_dim=config.rotary_dim, rope_style=config.rope_style, v_multiplier=placed[5],
+            backend=name, layer_rope_table=placed[6]))
 
     start = time.perf_counter()
     call()

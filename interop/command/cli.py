@@ -96,6 +96,14 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
                        help="dtype of kv and of the outputs (default: bfloat16)")
     check.add_argument("--table-dtype", choices=ROPE_TABLE_DTYPES, default="float32",
                        help="dtype of the cos/sin table, which the kernels read as fp32 (default: float32)")
+    check.add_argument("--tables", type=_positive, default=1, metavar="N",
+                       help="cos/sin tables of N different RoPE bases, layer l reading table l %% N "
+                            "through layer_rope_table; 1 is the one 2-D table (default: 1)")
+    check.add_argument("--no-k-norm", action="store_true",
+                       help="no K-norm (k_norm_weight and eps None): K is RoPE of the projected K")
+    check.add_argument("--v-multiplier", action="store_true",
+                       help="a random per-layer v_multiplier in [0.6, 0.72): V is v * v_multiplier[l], "
+                            "rounded once")
     check.add_argument("--tokens", type=_positive, default=None, metavar="N",
                        help=f"total_ctx (default: {DEFAULT_TOKENS_GPU} with a GPU, "
                             f"{DEFAULT_TOKENS_CPU} in CPU interpret mode)")
@@ -126,7 +134,7 @@ SIZE_OPTIONS = ("tokens", "layers", "heads", "head-dim")
 def _sizes(options: CheckOptions) -> dict[str, int]:
     return {"tokens": options.tokens(), "layers": options.n_layers, "heads": options.num_kv_heads,
             "head-dim": options.head_dim, "rotary-dim": options.rotary_dim,
-            "max-position": options.max_position}
+            "max-position": options.max_position, "tables": options.tables}
 
 
 def _named(options: CheckOptions, flags: tuple[str, ...]) -> str:
@@ -149,6 +157,7 @@ def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     options = CheckOptions(
         n_layers=args.layers, num_kv_heads=args.heads, head_dim=args.head_dim,
         rotary_dim=rotary_dim, rope_style=args.rope_style, dtype=args.dtype, table_dtype=args.table_dtype,
+        tables=args.tables, k_norm=not args.no_k_norm, v_multiplier=args.v_multiplier,
         total_ctx=args.tokens, max_position=args.max_position, seed=args.seed,
         backends=args.backends,
     )
@@ -159,8 +168,10 @@ def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     if memory is not None and kv_bytes + table_bytes > memory:
         if table_bytes > kv_bytes:
             columns = "head-dim" if args.rotary_dim is None else "rotary-dim"
-            culprit = (f"{_named(options, ('max-position', columns))}: a cos/sin table of "
-                       f"{options.max_position} rows of {options.rotary_dim} needs")
+            tables = "a cos/sin table" if options.tables == 1 else f"{options.tables} cos/sin tables"
+            need = "needs" if options.tables == 1 else "need"
+            culprit = (f"{_named(options, ('max-position', columns, 'tables'))}: {tables} of "
+                       f"{options.max_position} rows of {options.rotary_dim} {need}")
         else:
             culprit = f"{_named(options, SIZE_OPTIONS)}: {shape} need"
         parser.error(f"{culprit} about {_gib(kv_bytes + table_bytes)} of host memory for the "
@@ -168,7 +179,7 @@ def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     if backends.gpu_framework() is None:
         seconds = options.interpreted_seconds()
         if seconds > REFUSE_SECONDS:
-            parser.error(f"{_named(options, SIZE_OPTIONS + ('max-position',))}: {shape} in "
+            parser.error(f"{_named(options, SIZE_OPTIONS + ('max-position', 'tables'))}: {shape} in "
                          f"interpret mode (no GPU here) would take about {_about(seconds)}; a CPU "
                          "run proves logic, not speed: take smaller sizes, or run on a GPU")
         if seconds > WARN_SECONDS:
