@@ -113,9 +113,9 @@ def _backward_kernel(kv_ref, cos_sin_ref, positions_ref, grad_k_ref, grad_v_ref,
                mask=dims_ok)
 
 
-def _pallas_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table, grad_k,
-                     grad_v, *, config: FusedKVConfig, block_tokens: int, block_heads: int, num_warps: int,
-                     interpret: bool):
+def _pallas_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, grad_k, grad_v,
+                     layer_rope_table=None, *, config: FusedKVConfig, block_tokens: int, block_heads: int,
+                     num_warps: int, interpret: bool):
     """``(grad_kv, grad_k_norm_weight, grad_v_multiplier)``, the last two None without a K-norm,
     a multiplier: the kernel on the forward's tiles, then its partial sums added up."""
     total_ctx, n_layers, _ = kv.shape
@@ -162,8 +162,8 @@ def _backward(options, residuals, cotangents):
     grad_k, grad_v = cotangents
     options = dict(options)
     grad_kv, grad_weight, grad_multiplier = _pallas_backward(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table, grad_k.astype(kv.dtype),
-        grad_v.astype(kv.dtype), config=options["config"], block_tokens=options["block_tokens"],
+        kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, grad_k.astype(kv.dtype),
+        grad_v.astype(kv.dtype), layer_rope_table, config=options["config"], block_tokens=options["block_tokens"],
         block_heads=options["block_heads"], num_warps=options["num_warps"], interpret=options["interpret"])
     # None: a zero cotangent (eps, the tables, positions, outputs the forward overwrote whole, the tables' index).
     return grad_kv, grad_weight, None, None, None, None, None, grad_multiplier, None
