@@ -130,12 +130,17 @@ def test_torch_op_passes_gradcheck_in_fp32(config):
                                     eps=1e-3, atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("multiplied", [False, True], ids=["copied-v", "v-multiplier"])
-def test_differentiable_op_passes_opcheck_with_its_autograd_checks(multiplied):
+@pytest.mark.parametrize("multiplied, tables", [(False, False), (True, False), (True, True)],
+                         ids=["copied-v", "v-multiplier", "v-multiplier-per-layer-tables"])
+def test_differentiable_op_passes_opcheck_with_its_autograd_checks(multiplied, tables):
     config = FusedKVConfig(2, 8, 4, "gptj")
     kv, weight, eps, cache, positions, multiplier = _op_leaves(config)
+    layer_rope_table = None
+    if tables:
+        cache = torch.stack([cache, cache.flip(0)])
+        layer_rope_table = torch.tensor([1], dtype=torch.int32, device=DEVICE)
     args = (kv.requires_grad_(), weight.requires_grad_(), eps, cache, positions, *_static(config).values(),
-            None, None, None, multiplier.requires_grad_() if multiplied else None)
+            None, None, None, multiplier.requires_grad_() if multiplied else None, layer_rope_table)
     torch.library.opcheck(torch.ops.fusedkv.fused_kv_norm_rope.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
                                       "test_aot_dispatch_dynamic"))
