@@ -34,9 +34,9 @@ from fusedkv_jax.kernel import (
     _head_rows,
     _inverse_rms,
     _launch,
+    _layer_rope,
     _layer_value,
     _load,
-    _load_cos_sin,
     _load_head_rows,
     _load_norm_weight,
     _store,
@@ -62,14 +62,16 @@ def _column_sums(values, counted):
 
 
 def _backward_kernel(kv_ref, cos_sin_ref, positions_ref, grad_k_ref, grad_v_ref, weight_ref, eps_ref,
-                     v_multiplier_ref, grad_kv_ref, weight_partials_ref, multiplier_partials_ref, *,
+                     v_multiplier_ref, layer_rope_table_ref, grad_kv_ref, weight_partials_ref,
+                     multiplier_partials_ref, *,
                      num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str,
                      block_tokens: int, block_heads: int):
     """The gradients of one ``[block_tokens, block_heads, head_dim]`` tile of one layer.
 
     Refs are whole arrays: the forward's inputs, ``grad_k, grad_v[n_layers, total_ctx,
     heads, head_dim]``, ``grad_kv`` as ``kv``, and the partial sums ``[token blocks,
-    n_layers, head blocks, head_dim]`` (None without a K-norm, a multiplier).
+    n_layers, head blocks, head_dim]`` (None without a K-norm, a multiplier; and
+    ``layer_rope_table`` None for one cos/sin table).
     """
     layer = pl.program_id(1)
     tokens = pl.program_id(0) * block_tokens + jnp.arange(block_tokens)
@@ -83,9 +85,9 @@ def _backward_kernel(kv_ref, cos_sin_ref, positions_ref, grad_k_ref, grad_v_ref,
     g = [_load(grad_k_ref.at[layer, head_rows.tokens, heads[None, :, None], columns[None, None, :]],
                mask=head_rows.loaded & dims_ok[None, None, :], other=0.0).astype(jnp.float32)
          for columns in (dims, partner)]
-    rotatable = (positions >= 0) & (positions < cos_sin_ref.shape[0])
-    cos, sin = _load_cos_sin(cos_sin_ref, None, positions, (in_context & rotatable)[:, None],
-                             *form.frequencies(head_dim, rotary_dim, rope_style))
+    rotatable = (positions >= 0) & (positions < cos_sin_ref.shape[-2])
+    cos, sin, rotatable = _layer_rope(cos_sin_ref, layer_rope_table_ref, positions, in_context, rotatable,
+                                      functools.partial(form.frequencies, head_dim, rotary_dim, rope_style), layer)
     eps = _layer_value(eps_ref, layer)
     inv_rms = _inverse_rms(jnp.sum(x * x, axis=-1, keepdims=True), eps, head_dim, rotatable)
     # rope^T: the rotation by -angle.
@@ -111,13 +113,14 @@ def _backward_kernel(kv_ref, cos_sin_ref, positions_ref, grad_k_ref, grad_v_ref,
                mask=dims_ok)
 
 
-def _pallas_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, grad_k, grad_v, *,
-                     config: FusedKVConfig, block_tokens: int, block_heads: int, num_warps: int, interpret: bool):
+def _pallas_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, grad_k, grad_v,
+                     layer_rope_table=None, *, config: FusedKVConfig, block_tokens: int, block_heads: int,
+                     num_warps: int, interpret: bool):
     """``(grad_kv, grad_k_norm_weight, grad_v_multiplier)``, the last two None without a K-norm,
     a multiplier: the kernel on the forward's tiles, then its partial sums added up."""
     total_ctx, n_layers, _ = kv.shape
     grid = (pl.cdiv(total_ctx, block_tokens), n_layers, pl.cdiv(config.num_kv_heads, block_heads))
-    inputs = (kv, cos_sin_cache, positions, grad_k, grad_v, k_norm_weight, eps, v_multiplier)
+    inputs = (kv, cos_sin_cache, positions, grad_k, grad_v, k_norm_weight, eps, v_multiplier, layer_rope_table)
     varying = _varying_axes([a for a in inputs if a is not None])
     partials = jax.ShapeDtypeStruct((*grid, config.head_dim), jnp.float32, manual_axis_type=varying)
     out_shape = (jax.ShapeDtypeStruct(kv.shape, kv.dtype, manual_axis_type=varying),
@@ -156,17 +159,13 @@ def _forward(options, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, 
 
 def _backward(options, residuals, cotangents):
     kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table = residuals
-    if layer_rope_table is not None:
-        raise ValueError(
-            "Invalid layer_rope_table for fused KV materialization: got per-layer tables in a differentiated "
-            "call, expected None there (the backward pass reads one 2-D cos_sin_cache).")
     grad_k, grad_v = cotangents
     options = dict(options)
     grad_kv, grad_weight, grad_multiplier = _pallas_backward(
         kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, grad_k.astype(kv.dtype),
-        grad_v.astype(kv.dtype), config=options["config"], block_tokens=options["block_tokens"],
+        grad_v.astype(kv.dtype), layer_rope_table, config=options["config"], block_tokens=options["block_tokens"],
         block_heads=options["block_heads"], num_warps=options["num_warps"], interpret=options["interpret"])
-    # None: a zero cotangent (eps, the table, positions, and outputs the forward overwrote whole).
+    # None: a zero cotangent (eps, the tables, positions, outputs the forward overwrote whole, the tables' index).
     return grad_kv, grad_weight, None, None, None, None, None, grad_multiplier, None
 
 

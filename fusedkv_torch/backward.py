@@ -28,6 +28,7 @@ from fusedkv_torch.kernel import (
     _SHORT_CONTEXT_END,
     _inverse_rms,
     _layer_multiplier,
+    _layer_table,
     _load_head_rows,
     _load_rotation_and_norm,
     _rotate,
@@ -79,15 +80,16 @@ def _store_weight_partials(partial_ptr, counted, gn_first, gn_second, gn_tail, n
         tl.store(partial_ptr + tail_dims, tail, mask=tail_dims < HEAD_DIM)
 
 
-@triton.jit(do_not_specialize=["total_ctx", "max_position"])
+@triton.jit(do_not_specialize=["total_ctx", "max_position", "n_tables"])
 def _fused_kv_norm_rope_backward_kernel(
     # Tensors (None where a call has none), then sizes, then strides, then constexprs:
     # the order DirectLauncher expects.
-    kv_ptr, k_norm_weight_ptr, eps_ptr, cos_sin_ptr, positions_ptr, v_multiplier_ptr, grad_k_ptr, grad_v_ptr,
-    grad_kv_ptr, weight_partials_ptr, multiplier_partials_ptr,
-    total_ctx, max_position,
+    kv_ptr, k_norm_weight_ptr, eps_ptr, cos_sin_ptr, positions_ptr, v_multiplier_ptr, layer_rope_table_ptr,
+    grad_k_ptr, grad_v_ptr, grad_kv_ptr, weight_partials_ptr, multiplier_partials_ptr,
+    total_ctx, max_position, n_tables,
     kv_stride_t, kv_stride_l, kv_stride_d, weight_stride_l, weight_stride_d, eps_stride,
-    cos_sin_stride_p, cos_sin_stride_d, positions_stride, v_multiplier_stride,
+    cos_sin_stride_table, cos_sin_stride_p, cos_sin_stride_d, positions_stride, v_multiplier_stride,
+    layer_rope_table_stride,
     gk_stride_l, gk_stride_t, gk_stride_h, gk_stride_d, gv_stride_l, gv_stride_t, gv_stride_h, gv_stride_d,
     grad_stride_t, grad_stride_l, grad_stride_d,
     N_LAYERS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
@@ -96,7 +98,8 @@ def _fused_kv_norm_rope_backward_kernel(
 ):
     """The gradients of one ``[BLOCK_T tokens, BLOCK_HEADS heads, head_dim]`` tile of one layer,
     on the forward kernel's tiles and grid; ``weight_partials`` and ``multiplier_partials``
-    (None without a K-norm, a multiplier) get one row of this program's sums."""
+    (None without a K-norm, a multiplier) get one row of this program's sums.
+    ``layer_rope_table_ptr`` None: one cos/sin table for every layer."""
     layer, tokens, heads = _tile_of_program(total_ctx, N_LAYERS, NUM_HEADS, BLOCK_T, BLOCK_HEADS)
     pid = tl.program_id(0).to(tl.int64)
     in_context = tokens < total_ctx
@@ -114,9 +117,11 @@ def _fused_kv_norm_rope_backward_kernel(
     g_v = tl.load(grad_v_ptr + layer * gv_stride_l + tokens[:, None, None] * gv_stride_t + heads * gv_stride_h
                   + head_dims * gv_stride_d, mask=v_mask, other=0.0)
 
-    rotatable = (positions >= 0) & (positions < max_position)
+    cos_sin_table, rotatable = _layer_table(cos_sin_ptr, layer_rope_table_ptr, layer, layer_rope_table_stride,
+                                            cos_sin_stride_table, n_tables,
+                                            (positions >= 0) & (positions < max_position))
     cos, sin, w_first, w_second, w_tail, eps = _load_rotation_and_norm(
-        cos_sin_ptr, positions, in_context & rotatable, tokens, heads, cos_sin_stride_p, cos_sin_stride_d,
+        cos_sin_table, positions, in_context & rotatable, tokens, heads, cos_sin_stride_p, cos_sin_stride_d,
         k_norm_weight_ptr, layer, weight_stride_l, weight_stride_d, eps_ptr, eps_stride,
         BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ)
     v_multiplier = _layer_multiplier(v_multiplier_ptr, layer, v_multiplier_stride)
@@ -159,12 +164,13 @@ def backward_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, interpret
     return block_tokens, block_heads, max(1, min(8, 16 * next_power_of_2(head_dim) // 1024))
 
 
-def launch_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, grad_v, v_multiplier, *,
-                    config: FusedKVConfig, tile: tuple = (None, None, None)
+def launch_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, grad_v, v_multiplier,
+                    layer_rope_table=None, *, config: FusedKVConfig, tile: tuple = (None, None, None)
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of a validated call, on ``kv``'s device: ``(grad_kv, grad_k_norm_weight,
     grad_v_multiplier)``, the last two empty (shape ``(0,)``) where the call has no K-norm,
     no multiplier. ``grad_k``/``grad_v``: ``[n_layers, total_ctx, heads, head_dim]``, any strides.
+    ``layer_rope_table``: each layer's table in a 3-D ``cos_sin_cache``, as the forward's.
     ``tile``: ``(block_tokens, block_heads, num_warps)`` overrides for tuning, unchecked; None keeps the default."""
     total_ctx, n_layers, _ = kv.shape
     grad_kv = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
@@ -186,13 +192,16 @@ def launch_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, gr
     constexprs = (n_layers, config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style == "gptj",
                   block_tokens, block_heads, next_power_of_2(config.rotary_dim // 2),
                   next_power_of_2(tail) if tail else 0, next_power_of_2(config.head_dim))
+    # One table is table 0 of one, as in the forward: its table stride is never used.
+    table_strides = cos_sin_cache.stride() if layer_rope_table is not None else (0, *cos_sin_cache.stride())
     _launcher(
         grid,
-        (kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, grad_k, grad_v, grad_kv,
+        (kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table, grad_k, grad_v, grad_kv,
          weight_partials, multiplier_partials),
-        (total_ctx, cos_sin_cache.shape[0]),
-        (*kv.stride(), *_strides(k_norm_weight, 2), *_strides(eps, 1), *cos_sin_cache.stride(), *positions.stride(),
-         *_strides(v_multiplier, 1), *grad_k.stride(), *grad_v.stride(), *grad_kv.stride()),
+        (total_ctx, cos_sin_cache.shape[-2], 1 if layer_rope_table is None else cos_sin_cache.shape[0]),
+        (*kv.stride(), *_strides(k_norm_weight, 2), *_strides(eps, 1), *table_strides, *positions.stride(),
+         *_strides(v_multiplier, 1), *_strides(layer_rope_table, 1), *grad_k.stride(), *grad_v.stride(),
+         *grad_kv.stride()),
         constexprs, num_warps=num_warps)
     # The second reduction: each program's row, summed over the token blocks and head groups.
     grad_weight = kv.new_zeros(weight_shape, dtype=_weight_dtype(k_norm_weight))
@@ -216,18 +225,21 @@ def _fused_kv_norm_rope(
     cos_sin_cache: torch.Tensor, positions: torch.Tensor, num_kv_heads: int, head_dim: int, rotary_dim: int,
     rope_style: str, block_tokens: Optional[int] = None, block_heads: Optional[int] = None,
     num_warps: Optional[int] = None, v_multiplier: Optional[torch.Tensor] = None,
+    layer_rope_table: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     config = FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style)
     k_out, v_out = (kv.new_empty(config.output_shape(kv.shape[1], kv.shape[0])) for _ in range(2))
     if kv.shape[0] and kv.shape[1]:
         launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, config=config,
-               v_multiplier=v_multiplier, block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps)
+               v_multiplier=v_multiplier, block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps,
+               layer_rope_table=layer_rope_table)
     return k_out, v_out
 
 
 @_fused_kv_norm_rope.register_fake
 def _fused_kv_norm_rope_fake(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
-                             rope_style, block_tokens=None, block_heads=None, num_warps=None, v_multiplier=None):
+                             rope_style, block_tokens=None, block_heads=None, num_warps=None, v_multiplier=None,
+                             layer_rope_table=None):
     shape = (kv.shape[1], kv.shape[0], num_kv_heads, head_dim)
     return kv.new_empty(shape), kv.new_empty(shape)
 
@@ -237,15 +249,17 @@ def _fused_kv_norm_rope_backward(
     kv: torch.Tensor, k_norm_weight: Optional[torch.Tensor], eps: Optional[torch.Tensor],
     cos_sin_cache: torch.Tensor, positions: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor,
     num_kv_heads: int, head_dim: int, rotary_dim: int, rope_style: str, v_multiplier: Optional[torch.Tensor] = None,
+    layer_rope_table: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(grad_kv, grad_k_norm_weight, grad_v_multiplier)`` (:func:`launch_backward`)."""
     return launch_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, grad_v, v_multiplier,
-                           config=FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style))
+                           layer_rope_table, config=FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style))
 
 
 @_fused_kv_norm_rope_backward.register_fake
 def _fused_kv_norm_rope_backward_fake(kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, grad_v,
-                                      num_kv_heads, head_dim, rotary_dim, rope_style, v_multiplier=None):
+                                      num_kv_heads, head_dim, rotary_dim, rope_style, v_multiplier=None,
+                                      layer_rope_table=None):
     weight_shape = (kv.shape[1], head_dim) if k_norm_weight is not None else (0,)
     return (kv.new_empty(kv.shape), kv.new_empty(weight_shape, dtype=_weight_dtype(k_norm_weight)),
             kv.new_empty((kv.shape[1],) if v_multiplier is not None else (0,), dtype=torch.float32))
@@ -254,17 +268,18 @@ def _fused_kv_norm_rope_backward_fake(kv, k_norm_weight, eps, cos_sin_cache, pos
 def _setup_context(ctx, inputs, output):
     kv, k_norm_weight, eps, cos_sin_cache, positions, *static = inputs
     ctx.static = tuple(static[:4])
-    ctx.save_for_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, static[-1])
+    ctx.save_for_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, *static[-2:])
 
 
 def _backward(ctx, grad_k, grad_v):
-    kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier = ctx.saved_tensors
+    kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table = ctx.saved_tensors
     grad_kv, grad_weight, grad_multiplier = torch.ops.fusedkv.fused_kv_norm_rope_backward(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, grad_v, *ctx.static, v_multiplier)
+        kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, grad_v, *ctx.static, v_multiplier,
+        layer_rope_table)
     # One gradient per input: kv, k_norm_weight, eps, cos_sin_cache, positions, four static
-    # arguments, three tile overrides, v_multiplier.
+    # arguments, three tile overrides, v_multiplier, layer_rope_table.
     return (grad_kv, None if k_norm_weight is None else grad_weight, None, None, None, *(None,) * 7,
-            None if v_multiplier is None else grad_multiplier)
+            None if v_multiplier is None else grad_multiplier, None)
 
 
 torch.library.register_autograd("fusedkv::fused_kv_norm_rope", _backward, setup_context=_setup_context)

@@ -297,7 +297,8 @@ class FusedKVMaterializer:
         return fused_kv_norm_rope(kv.view(self.config.kv_shape(total_ctx)), k_norm_weight, self.eps,
                                   self.cos_sin_cache, positions, num_kv_heads=op.num_kv_heads, head_dim=op.head_dim,
                                   rotary_dim=op.rotary_dim, rope_style=op.rope_style,
-                                  v_multiplier=self.v_multiplier, k_out=k_out, v_out=v_out)
+                                  v_multiplier=self.v_multiplier, k_out=k_out, v_out=v_out,
+                                  layer_rope_table=self.layer_rope_table)
 
     def materialize_layers(
         self,

@@ -95,19 +95,21 @@ class PreparedCall:
         return k_out, v_out
 
     def launch_differentiable(self, kv, k_norm_weight, eps, cos_sin_cache, positions, check_positions: bool,
-                              v_multiplier=None) -> tuple[torch.Tensor, torch.Tensor]:
+                              v_multiplier=None, layer_rope_table=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The op through its differentiable registered op (outputs with a ``grad_fn``), for a
         call whose ``kv``, ``k_norm_weight`` or ``v_multiplier`` requires grad."""
         if positions.device != kv.device:
             positions = positions.to(kv.device, non_blocking=True)
         if v_multiplier is not None:
             v_multiplier = v_multiplier.to(kv.device)
+        if layer_rope_table is not None:
+            layer_rope_table = layer_rope_table.to(kv.device)
         if check_positions and self.call.total_ctx:
             _check_positions_in_range(positions, self.call.max_position)
         config = self.call.config
         return backward.fused_kv_norm_rope_op(kv, k_norm_weight, eps, cos_sin_cache, positions, config.num_kv_heads,
                                               config.head_dim, config.rotary_dim, config.rope_style, *self.tile,
-                                              v_multiplier)
+                                              v_multiplier, layer_rope_table)
 
     def launch_into_cache(self, kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
                           k_scale, v_scale, v_multiplier=None,
@@ -163,7 +165,7 @@ class RefusedCall:
         return self._refuse(k_out, v_out)
 
     def launch_differentiable(self, kv, k_norm_weight, eps, cos_sin_cache, positions, check_positions: bool,
-                              v_multiplier=None) -> tuple[torch.Tensor, torch.Tensor]:
+                              v_multiplier=None, layer_rope_table=None) -> tuple[torch.Tensor, torch.Tensor]:
         return self._refuse()
 
     def launch_into_cache(self, kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
@@ -254,9 +256,9 @@ def requires_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
-def _check_differentiable(kv, k_norm_weight, v_multiplier, k_out, v_out, layer_rope_table) -> None:
+def _check_differentiable(kv, k_norm_weight, v_multiplier, k_out, v_out) -> None:
     """Refuse what a call autograd records cannot take: outputs given (buffers written in place
-    carry no gradient) and per-layer tables (the backward kernel reads one table)."""
+    carry no gradient)."""
     if requires_grad(kv, k_norm_weight, v_multiplier):
         for name, out in (("k_out", k_out), ("v_out", v_out)):
             if out is not None:
@@ -264,11 +266,6 @@ def _check_differentiable(kv, k_norm_weight, v_multiplier, k_out, v_out, layer_r
                     f"Invalid {name} for fused KV materialization: got an output buffer while kv, k_norm_weight "
                     f"or v_multiplier requires grad, expected {name}=None there (outputs written in place carry "
                     "no gradient: the differentiable op allocates its own).")
-        if layer_rope_table is not None:
-            raise ValueError(
-                "Invalid layer_rope_table for fused KV materialization: got per-layer tables while kv, "
-                "k_norm_weight or v_multiplier requires grad, expected None there (the backward pass reads "
-                "one 2-D cos_sin_cache).")
 
 
 def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim,
@@ -281,7 +278,7 @@ def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads,
         prepared = _traced(accept_call, (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out), static,
                            tile)
         try:
-            _check_differentiable(kv, k_norm_weight, v_multiplier, k_out, v_out, layer_rope_table)
+            _check_differentiable(kv, k_norm_weight, v_multiplier, k_out, v_out)
         except ValueError as error:
             return prepared if isinstance(prepared, RefusedCall) else RefusedCall(error)
         return prepared
@@ -291,7 +288,7 @@ def prepare_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads,
                              (kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, v_multiplier,
                               layer_rope_table))
     accepted = accept_call(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, **static, takes="torch")
-    _check_differentiable(kv, k_norm_weight, v_multiplier, k_out, v_out, layer_rope_table)
+    _check_differentiable(kv, k_norm_weight, v_multiplier, k_out, v_out)
     prepared = _prepared(accepted, kv, tile)
     if prepared.plan is not None:  # a kv without memory has no addresses to check
         check_output_buffers(kv, (("k_out", k_out), ("v_out", v_out)))
@@ -436,7 +433,7 @@ def fused_kv_norm_rope(
     )
     if requires_grad(kv, k_norm_weight, v_multiplier):
         return prepared.launch_differentiable(kv, k_norm_weight, eps, cos_sin_cache, positions, check_positions,
-                                              v_multiplier)
+                                              v_multiplier, layer_rope_table)
     return prepared.launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, check_positions,
                            v_multiplier, layer_rope_table)
 

@@ -1,8 +1,9 @@
-"""What the backward tests of both backends share: the comparison of a gradient and the
-inputs of each edge value."""
+"""What the backward tests of both backends share: the comparison of a gradient, the
+inputs of each edge value and per-layer RoPE tables."""
 
 import numpy as np
 
+from interop.core.reference import rope_cos_sin_cache
 from interop.testing import gradient_mismatch
 
 MAX_POSITION = 16
@@ -24,3 +25,15 @@ def edge_case(kind, arrays):
     else:
         kv[2, 0, 16 + 5] = np.float32({"nan head": np.nan, "inf head": np.inf}.get(kind, 1e30))
     return [kv, arrays[1], eps, arrays[3], positions]
+
+
+# Per-layer tables: each layer another table than its neighbour's, or one index naming none.
+LAYER_ROPE_TABLES = {"per-layer tables": [1, 0], "table index outside the tables": [2, 1]}
+
+
+def with_per_layer_tables(arrays):
+    """``arrays`` with two RoPE tables of other bases (a full-attention and a sliding-window one)
+    in place of the one table: ``[2, MAX_POSITION, rotary_dim]``."""
+    rotary_dim = arrays[3].shape[-1]
+    tables = np.stack([rope_cos_sin_cache(MAX_POSITION, rotary_dim, base) for base in (1e6, 1e4)])
+    return [*arrays[:3], tables, arrays[4]]

@@ -44,11 +44,11 @@ def compile_form(given: set, gptj: bool, tail: int, table: str = "*fp32") -> Non
                    options={"num_warps": 4})
 
 
-BACKWARD_OPTIONAL = ("k_norm_weight_ptr", "v_multiplier_ptr")
+BACKWARD_OPTIONAL = ("k_norm_weight_ptr", "v_multiplier_ptr", "layer_rope_table_ptr")
 BACKWARD_TENSORS = {"kv_ptr": "*bf16", "k_norm_weight_ptr": "*fp32", "eps_ptr": "*fp32", "cos_sin_ptr": "*fp32",
-                    "positions_ptr": "*i32", "v_multiplier_ptr": "*fp32", "grad_k_ptr": "*bf16",
-                    "grad_v_ptr": "*bf16", "grad_kv_ptr": "*bf16", "weight_partials_ptr": "*fp32",
-                    "multiplier_partials_ptr": "*fp32"}
+                    "positions_ptr": "*i32", "v_multiplier_ptr": "*fp32", "layer_rope_table_ptr": "*i32",
+                    "grad_k_ptr": "*bf16", "grad_v_ptr": "*bf16", "grad_kv_ptr": "*bf16",
+                    "weight_partials_ptr": "*fp32", "multiplier_partials_ptr": "*fp32"}
 # Each partial sum exists with what it sums: the weight's with a K-norm, the multiplier's with one.
 PARTIALS_OF = {"weight_partials_ptr": "k_norm_weight_ptr", "eps_ptr": "k_norm_weight_ptr",
                "multiplier_partials_ptr": "v_multiplier_ptr"}
@@ -85,7 +85,8 @@ def main() -> int:
         except Exception as error:  # the compiler's own errors, printed for the test's message
             print(f"given={sorted(given)} gptj={gptj} tail={tail} table={table}: {type(error).__name__}: {error}")
             return 1
-    backward_forms = [set(), {"k_norm_weight_ptr"}, {"v_multiplier_ptr"}, set(BACKWARD_OPTIONAL)]
+    plain = [set(), {"k_norm_weight_ptr"}, {"v_multiplier_ptr"}, {"k_norm_weight_ptr", "v_multiplier_ptr"}]
+    backward_forms = plain + [{"layer_rope_table_ptr"}, set(BACKWARD_OPTIONAL)]
     for given, gptj, tail in itertools.product(backward_forms, (False, True), (0, 64)):
         try:
             compile_backward_form(given, gptj, tail)

@@ -2,8 +2,6 @@
 NumPy reference backward: under jax.vjp, jax.grad in jit, jax.checkpoint, check_grads,
 and through the materializer."""
 
-import re
-
 import numpy as np
 import pytest
 
@@ -16,7 +14,8 @@ from interop.core.materializer import LayerKV, RopeConfig  # noqa: E402
 from interop.core.reference_backward import fused_kv_norm_rope_backward_reference  # noqa: E402
 from interop.core.spec import FusedKVConfig  # noqa: E402
 from interop.testing import assert_bit_exact, random_inputs  # noqa: E402
-from backward_cases import MAX_POSITION, assert_grad_close, edge_case  # noqa: E402
+from backward_cases import (LAYER_ROPE_TABLES, MAX_POSITION, assert_grad_close, edge_case,  # noqa: E402
+                            with_per_layer_tables)
 
 
 def _inputs(config, *, dtype="float32", n_layers=2, total_ctx=3, seed=0):
@@ -33,22 +32,24 @@ def _static(config):
                 rope_style=config.rope_style)
 
 
-def _op(config, eps, cache, positions):
+def _op(config, eps, cache, positions, layer_rope_table=None):
     def op(kv, weight, multiplier):
         return fusedkv_jax.fused_kv_norm_rope(kv, weight, None if weight is None else eps, cache, positions,
-                                              **_static(config), v_multiplier=multiplier)
+                                              **_static(config), v_multiplier=multiplier,
+                                              layer_rope_table=layer_rope_table)
     return op
 
 
-def _jax_and_reference_grads(config, arrays, grads, multiplier, *, normed=True):
+def _jax_and_reference_grads(config, arrays, grads, multiplier, *, normed=True, layer_rope_table=None):
     kv, weight, eps, cache, positions = arrays
     weight = weight if normed else None
-    _, vjp = jax.vjp(_op(config, eps, cache, positions), jnp.asarray(kv),
+    _, vjp = jax.vjp(_op(config, eps, cache, positions, layer_rope_table), jnp.asarray(kv),
                      None if weight is None else jnp.asarray(weight),
                      None if multiplier is None else jnp.asarray(multiplier))
     got = vjp(tuple(jnp.asarray(g) for g in grads))
     expected = fused_kv_norm_rope_backward_reference(kv, weight, eps if normed else None, cache, positions, *grads,
-                                                     **_static(config), v_multiplier=multiplier)
+                                                     **_static(config), v_multiplier=multiplier,
+                                                     layer_rope_table=layer_rope_table)
     return got, expected
 
 
@@ -121,15 +122,17 @@ def test_jax_grad_in_jit_through_checkpoint_matches_the_reference_and_leaves_the
     assert not np.asarray(grad_eps).any() and not np.asarray(grad_cache).any()
 
 
-def test_jax_materialize_differentiates_to_ctx_hidden_and_the_weights():
+# One RoPE for both layers (one table), or a sliding-window layer of another base (per-layer tables).
+@pytest.mark.parametrize("bases", [(1e4, 1e4), (1e4, 500.0)], ids=["one_rope", "two_ropes"])
+def test_jax_materialize_differentiates_to_ctx_hidden_and_the_weights(bases):
     config, hidden, n_layers = FusedKVConfig(2, 8, 8, "neox"), 6, 2
     rng = np.random.default_rng(13)
     layers = [LayerKV(kv_proj_weight=(rng.standard_normal((2 * config.kv_size, hidden)) / hidden ** 0.5
                                       ).astype(np.float32),
                       k_norm_weight=(1 + 0.25 * rng.standard_normal(config.head_dim)).astype(np.float32),
                       eps=1e-6, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                      rope=RopeConfig(config.rotary_dim, MAX_POSITION, style=config.rope_style))
-              for _ in range(n_layers)]
+                      rope=RopeConfig(config.rotary_dim, MAX_POSITION, base, style=config.rope_style))
+              for base in bases]
     materializer = fusedkv_jax.FusedKVMaterializer(layers)
     ctx_hidden = rng.standard_normal((3, hidden)).astype(np.float32)
     positions = np.array([0, 5, 9], np.int32)
@@ -139,30 +142,31 @@ def test_jax_materialize_differentiates_to_ctx_hidden_and_the_weights():
         k, v = materializer.materialize(ctx_hidden, positions)
         return jnp.sum(k * probes[0]) + jnp.sum(v * probes[1])
 
-    grad_materializer, grad_hidden = jax.grad(loss, argnums=(0, 1))(materializer, jnp.asarray(ctx_hidden))
+    # allow_int: per-layer tables make the materializer's int32 layer_rope_table a leaf (its gradient float0).
+    grad_materializer, grad_hidden = jax.grad(loss, argnums=(0, 1), allow_int=True)(materializer,
+                                                                                   jnp.asarray(ctx_hidden))
     weight = np.concatenate([layer.kv_proj_weight for layer in layers])
     kv = (ctx_hidden @ weight.T).reshape(3, n_layers, -1)
     grad_kv, grad_norm_weight, _ = fused_kv_norm_rope_backward_reference(
         kv, np.stack([layer.k_norm_weight for layer in layers]), np.full(n_layers, 1e-6, np.float32),
-        np.asarray(materializer.cos_sin_cache), positions, *probes, **_static(config))
+        np.asarray(materializer.cos_sin_cache), positions, *probes, **_static(config),
+        layer_rope_table=materializer.layer_rope_table)
     grad_kv = grad_kv.reshape(3, -1)
     assert_grad_close(grad_hidden, grad_kv @ weight, "float32", "ctx_hidden")
     assert_grad_close(grad_materializer.kv_proj_weight, grad_kv.T @ ctx_hidden, "float32", "kv_proj_weight")
     assert_grad_close(grad_materializer.k_norm_weight, grad_norm_weight, "float32", "k_norm_weight")
 
 
-def test_per_layer_tables_in_a_differentiated_call_are_refused():
-    config = FusedKVConfig(2, 8, 8, "neox")
-    arrays, _, _ = _inputs(config)
-    kv, weight, eps, cache, positions = (jnp.asarray(a) for a in arrays)
-    tables, index = jnp.stack([cache, cache]), jnp.zeros(kv.shape[1], jnp.int32)
-
-    def loss(kv):
-        k, v = fusedkv_jax.fused_kv_norm_rope(kv, weight, eps, tables, positions, **_static(config),
-                                              layer_rope_table=index)
-        return jnp.sum(k)
-
-    message = ("Invalid layer_rope_table for fused KV materialization: got per-layer tables in a differentiated "
-               "call, expected None there (the backward pass reads one 2-D cos_sin_cache).")
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):  # jax appends a note on its frames
-        jax.grad(loss)(kv)
+@pytest.mark.parametrize("config, normed", [(FusedKVConfig(2, 16, 16, "gptj"), True),
+                                            (FusedKVConfig(1, 16, 8, "neox"), False)], ids=str)
+@pytest.mark.parametrize("kind", LAYER_ROPE_TABLES)
+def test_jax_gradients_with_per_layer_tables_match_the_reference_backward(config, normed, kind):
+    arrays, grads, multiplier = _inputs(config, seed=15)
+    arrays, layer_rope_table = with_per_layer_tables(arrays), np.array(LAYER_ROPE_TABLES[kind], np.int32)
+    got, expected = _jax_and_reference_grads(config, arrays, grads, multiplier, normed=normed,
+                                             layer_rope_table=jnp.asarray(layer_rope_table))
+    for name, got_grad, expected_grad in zip(("grad_kv", "grad_k_norm_weight", "grad_v_multiplier"), got, expected):
+        if expected_grad is None:
+            assert got_grad is None, name
+        else:
+            assert_grad_close(got_grad, expected_grad, "float32", name)

@@ -16,7 +16,7 @@ from interop.core.reference_backward import fused_kv_norm_rope_backward_referenc
 from interop.core.spec import FusedKVConfig
 from interop.exchange import to_torch
 from interop.testing import assert_bit_exact, random_inputs
-from backward_cases import MAX_POSITION, assert_grad_close, edge_case
+from backward_cases import LAYER_ROPE_TABLES, MAX_POSITION, assert_grad_close, edge_case, with_per_layer_tables
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -36,15 +36,16 @@ def _static(config):
                 rope_style=config.rope_style)
 
 
-def _torch_grads(config, arrays, grads, multiplier, *, normed=True):
+def _torch_grads(config, arrays, grads, multiplier, *, normed=True, layer_rope_table=None):
     """``(grad_kv, grad_k_norm_weight, grad_v_multiplier)`` of the op through torch.autograd."""
     kv, weight, eps, cache, positions = (to_torch(a).to(DEVICE) for a in arrays)
     if not normed:
         weight = eps = None
     leaves = [kv.requires_grad_(), None if weight is None else weight.requires_grad_(),
               None if multiplier is None else torch.tensor(multiplier, device=DEVICE).requires_grad_()]
+    tables = {} if layer_rope_table is None else dict(layer_rope_table=torch.tensor(layer_rope_table))
     k, v = fusedkv_torch.fused_kv_norm_rope(kv, weight, eps, cache, positions, **_static(config),
-                                            v_multiplier=leaves[2])
+                                            v_multiplier=leaves[2], **tables)
     assert k.grad_fn is not None and v.grad_fn is not None
     given = [torch.tensor(g, device=DEVICE).to(kv.dtype) for g in grads]
     wanted = [leaf for leaf in leaves if leaf is not None]
@@ -52,12 +53,12 @@ def _torch_grads(config, arrays, grads, multiplier, *, normed=True):
     return [None if leaf is None else next(got) for leaf in leaves], [as_numpy(g) for g in given]
 
 
-def _reference(config, arrays, grads, multiplier, *, normed=True):
+def _reference(config, arrays, grads, multiplier, *, normed=True, layer_rope_table=None):
     kv, weight, eps, cache, positions = arrays
     if not normed:
         weight = eps = None
     return fused_kv_norm_rope_backward_reference(kv, weight, eps, cache, positions, *grads, **_static(config),
-                                                 v_multiplier=multiplier)
+                                                 v_multiplier=multiplier, layer_rope_table=layer_rope_table)
 
 
 FORMS = [
@@ -129,12 +130,17 @@ def test_torch_op_passes_gradcheck_in_fp32(config):
                                     eps=1e-3, atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("multiplied", [False, True], ids=["copied-v", "v-multiplier"])
-def test_differentiable_op_passes_opcheck_with_its_autograd_checks(multiplied):
+@pytest.mark.parametrize("multiplied, tables", [(False, False), (True, False), (True, True)],
+                         ids=["copied-v", "v-multiplier", "v-multiplier-per-layer-tables"])
+def test_differentiable_op_passes_opcheck_with_its_autograd_checks(multiplied, tables):
     config = FusedKVConfig(2, 8, 4, "gptj")
     kv, weight, eps, cache, positions, multiplier = _op_leaves(config)
+    layer_rope_table = None
+    if tables:
+        cache = torch.stack([cache, cache.flip(0)])
+        layer_rope_table = torch.tensor([1], dtype=torch.int32, device=DEVICE)
     args = (kv.requires_grad_(), weight.requires_grad_(), eps, cache, positions, *_static(config).values(),
-            None, None, None, multiplier.requires_grad_() if multiplied else None)
+            None, None, None, multiplier.requires_grad_() if multiplied else None, layer_rope_table)
     torch.library.opcheck(torch.ops.fusedkv.fused_kv_norm_rope.default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
                                       "test_aot_dispatch_dynamic"))
@@ -178,20 +184,25 @@ def test_outputs_given_to_a_call_that_requires_grad_are_refused():
     assert not torch.isnan(k_out).any()
 
 
-def _layers(config, hidden, n_layers, seed):
+def _layers(config, hidden, seed, bases):
     rng = np.random.default_rng(seed)
     return [LayerKV(kv_proj_weight=torch.tensor(rng.standard_normal((2 * config.kv_size, hidden)).astype(np.float32)
                                                  / hidden ** 0.5, device=DEVICE, requires_grad=True),
                     k_norm_weight=torch.tensor(1 + 0.25 * rng.standard_normal(config.head_dim).astype(np.float32),
                                                device=DEVICE, requires_grad=True),
                     eps=1e-6, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                    rope=RopeConfig(config.rotary_dim, MAX_POSITION, style=config.rope_style))
-            for _ in range(n_layers)]
+                    rope=RopeConfig(config.rotary_dim, MAX_POSITION, base, style=config.rope_style))
+            for base in bases]
 
 
-def test_materialize_carries_grad_fn_to_ctx_hidden_and_the_layers_weights():
+# One RoPE for both layers (one table), or a sliding-window layer of another base (per-layer tables).
+BASES = pytest.mark.parametrize("bases", [(1e4, 1e4), (1e4, 500.0)], ids=["one_rope", "two_ropes"])
+
+
+@BASES
+def test_materialize_carries_grad_fn_to_ctx_hidden_and_the_layers_weights(bases):
     config, hidden, n_layers = FusedKVConfig(2, 8, 8, "neox"), 6, 2
-    layers = _layers(config, hidden, n_layers, seed=13)
+    layers = _layers(config, hidden, seed=13, bases=bases)
     materializer = fusedkv_torch.FusedKVMaterializer(layers)
     rng = np.random.default_rng(14)
     ctx_hidden = torch.tensor(rng.standard_normal((3, hidden)).astype(np.float32), device=DEVICE,
@@ -206,7 +217,7 @@ def test_materialize_carries_grad_fn_to_ctx_hidden_and_the_layers_weights():
     norm_weight = np.stack([as_numpy(layer.k_norm_weight.detach()) for layer in layers])
     grad_kv, grad_norm_weight, _ = fused_kv_norm_rope_backward_reference(
         kv, norm_weight, np.full(n_layers, 1e-6, np.float32), as_numpy(materializer.cos_sin_cache),
-        as_numpy(positions), *grads, **_static(config))
+        as_numpy(positions), *grads, **_static(config), layer_rope_table=materializer.layer_rope_table)
     grad_kv = grad_kv.reshape(3, -1)
     assert_grad_close(ctx_hidden.grad, grad_kv @ weight, "float32", "ctx_hidden")
     rows = 2 * config.kv_size
@@ -217,17 +228,19 @@ def test_materialize_carries_grad_fn_to_ctx_hidden_and_the_layers_weights():
                           f"layers[{index}].k_norm_weight")
 
 
-def test_per_layer_tables_in_a_call_that_requires_grad_are_refused():
-    config = FusedKVConfig(2, 8, 8, "neox")
-    kv, weight, eps, cache, positions, _ = _op_leaves(config)
-    tables = torch.stack([cache, cache])
-    message = ("Invalid layer_rope_table for fused KV materialization: got per-layer tables while kv, "
-               "k_norm_weight or v_multiplier requires grad, expected None there (the backward pass reads "
-               "one 2-D cos_sin_cache).")
-    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
-        fusedkv_torch.fused_kv_norm_rope(kv.requires_grad_(), weight, eps, tables, positions, **_static(config),
-                                         layer_rope_table=torch.zeros(kv.shape[1], dtype=torch.int32,
-                                                                      device=DEVICE))
+@pytest.mark.parametrize("config, normed", [(FusedKVConfig(2, 16, 16, "gptj"), True),
+                                            (FusedKVConfig(1, 16, 8, "neox"), False)], ids=str)
+@pytest.mark.parametrize("kind", LAYER_ROPE_TABLES)
+def test_torch_gradients_with_per_layer_tables_match_the_reference_backward(config, normed, kind):
+    arrays, grads, multiplier = _inputs(config, seed=15)
+    arrays, layer_rope_table = with_per_layer_tables(arrays), np.array(LAYER_ROPE_TABLES[kind], np.int32)
+    got, given = _torch_grads(config, arrays, grads, multiplier, normed=normed, layer_rope_table=layer_rope_table)
+    expected = _reference(config, arrays, given, multiplier, normed=normed, layer_rope_table=layer_rope_table)
+    for name, got_grad, expected_grad in zip(("grad_kv", "grad_k_norm_weight", "grad_v_multiplier"), got, expected):
+        if expected_grad is None:
+            assert got_grad is None, name
+        else:
+            assert_grad_close(got_grad, expected_grad, "float32", name)
 
 
 @pytest.mark.parametrize("heads, tile", [(8, (4, 4, 2)), (2, (8, 2, 2)), (1, (16, 1, 2)), (6, (8, 2, 2))])
@@ -235,3 +248,19 @@ def test_backward_tiles_hold_sixteen_head_rows_over_threads_of_32_elements(heads
     assert backward_tile(4096, heads, 128) == tile
     assert backward_tile(4096, heads, 256)[2] == 2 * tile[2]
     assert backward_tile(16, heads, 128) == fusedkv_torch.kernel.default_tile(16, heads, 128)
+
+
+def test_a_refused_call_with_per_layer_tables_that_requires_grad_raises_under_fullgraph_compile():
+    config = FusedKVConfig(2, 8, 8, "neox")
+    kv, weight, eps, cache, positions, _ = _op_leaves(config)
+    tables, index = torch.stack([cache, cache]), torch.tensor([0], dtype=torch.int32)
+    k_out = torch.full(config.output_shape(1, 2), float("nan"), device=DEVICE)
+
+    def call(kv):
+        return fusedkv_torch.fused_kv_norm_rope(kv, weight, eps, tables, positions, **_static(config), k_out=k_out,
+                                                layer_rope_table=index)[0]
+
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=r"^Invalid k_out for fused KV materialization: got an output buffer while"):
+        torch.compile(call, fullgraph=True, backend="aot_eager")(kv.requires_grad_())
+    assert torch.isnan(k_out).all()

@@ -15,8 +15,9 @@ fp32, as the forward decides it; the values are float64:
 
 - a head the forward zeroes (fp32 ``mean(k*k) + eps`` below the smallest normal fp32) has
   ``r = 0``: zero K gradient and nothing added to ``grad_k_norm_weight``;
-- a head the forward poisons (fp32 sum of squares not finite) and every head of a token
-  whose position is outside the table get an all-NaN K gradient and add nothing to
+- a head the forward poisons (fp32 sum of squares not finite), every head of a token
+  whose position is outside the table and every K head of a layer whose
+  ``layer_rope_table`` entry names no table get an all-NaN K gradient and add nothing to
   ``grad_k_norm_weight`` (its output does not depend on the weight);
 - otherwise IEEE arithmetic: a NaN or Inf in the incoming gradient propagates.
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from interop.core.arrays import as_numpy
-from interop.core.reference import SMALLEST_NORMAL_FP32
+from interop.core.reference import SMALLEST_NORMAL_FP32, _cos_sin_rows
 from interop.core.spec import validate_call
 
 
@@ -47,24 +48,27 @@ def fused_kv_norm_rope_backward_reference(
     rotary_dim: int,
     rope_style: str = "neox",
     v_multiplier=None,
+    layer_rope_table=None,
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """The gradients of :func:`~interop.core.reference.fused_kv_norm_rope_reference`.
 
     Args (beyond the forward's):
       grad_k, grad_v: float[n_layers, total_ctx, num_kv_heads, head_dim], the gradients
         of the forward's ``k_out`` and ``v_out``.
+      layer_rope_table: as the forward's: with a 3-D ``cos_sin_cache``, each layer's table.
 
     Returns:
       ``(grad_kv, grad_k_norm_weight, grad_v_multiplier)`` in float64:
       ``[total_ctx, n_layers, 2*kv_size]``, ``[n_layers, head_dim]`` (None without a
       K-norm) and ``[n_layers]`` (None without a ``v_multiplier``).
     """
-    kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, grad_v, v_multiplier = (
+    kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, grad_v, v_multiplier, layer_rope_table = (
         None if a is None else as_numpy(a)
-        for a in (kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, grad_v, v_multiplier))
+        for a in (kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, grad_v, v_multiplier,
+                  layer_rope_table))
     call = validate_call(kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads=num_kv_heads,
                          head_dim=head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
-                         v_multiplier=v_multiplier)
+                         v_multiplier=v_multiplier, layer_rope_table=layer_rope_table)
     for name, grad in (("grad_k", grad_k), ("grad_v", grad_v)):
         if grad.shape != call.output_shape:
             raise ValueError(f"Invalid {name} shape for fused KV materialization: got {grad.shape}, "
@@ -73,9 +77,8 @@ def fused_kv_norm_rope_backward_reference(
     token_major = (call.total_ctx, call.n_layers, config.num_kv_heads, config.head_dim)
     x = kv[:, :, :config.kv_size].astype(np.float64).reshape(token_major)
     g = grad_k.astype(np.float64).transpose(1, 0, 2, 3)
-    pos = positions.astype(np.int64)
-    in_range = (pos >= 0) & (pos < call.max_position)
-    gn = _rotate_back(g, cos_sin_cache[np.where(in_range, pos, 0)].astype(np.float64), config)
+    rows, in_range = _cos_sin_rows(cos_sin_cache, positions, layer_rope_table, call)
+    gn = _rotate_back(g, rows.astype(np.float64), config)
 
     grad_weight = None
     if k_norm_weight is None:
@@ -86,7 +89,7 @@ def fused_kv_norm_rope_backward_reference(
             normed = x * inv_rms
             weighted = k_norm_weight.astype(np.float64)[None, :, None, :] * gn
             grad_x = inv_rms * (weighted - normed * np.mean(normed * weighted, axis=-1, keepdims=True))
-            counted = np.isfinite(inv_rms) & in_range[:, None, None, None]
+            counted = np.isfinite(inv_rms) & in_range[:, :, None, None]
             grad_weight = np.where(counted, gn * normed, 0.0).sum(axis=(0, 2))
     grad_x[~in_range] = np.nan
 
@@ -103,10 +106,11 @@ def fused_kv_norm_rope_backward_reference(
 
 
 def _rotate_back(g, rows, config):
-    """``rope^T(g)``: each rotated pair turned back by its angle (sin negated), the tail as is."""
+    """``rope^T(g)``: each rotated pair turned back by its angle (sin negated), the tail as is;
+    ``rows`` ``[total_ctx, n_layers, rotary_dim]``, each token's in each layer's table."""
     half, rotary_dim = config.rotary_dim // 2, config.rotary_dim
-    cos = rows[:, None, None, :half]
-    sin = rows[:, None, None, half:rotary_dim]
+    cos = rows[:, :, None, :half]
+    sin = rows[:, :, None, half:rotary_dim]
     pair = (slice(0, half), slice(half, rotary_dim)) if config.rope_style == "neox" else (
         slice(0, rotary_dim, 2), slice(1, rotary_dim, 2))
     first, second = g[..., pair[0]], g[..., pair[1]]
