@@ -193,7 +193,7 @@ def launch_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, gr
                   block_tokens, block_heads, next_power_of_2(config.rotary_dim // 2),
                   next_power_of_2(tail) if tail else 0, next_power_of_2(config.head_dim))
     # One table is table 0 of one, as in the forward: its table stride is never used.
-    table_strides = cos_sin_cache.stride() if layer_rope_table is not None else (0, *cos_sin_cache.stride())
+    table_strides = cos_sin_cache.stride() if layer_rope_table is not None else (1, *cos_sin_cache.stride())
     _launcher(
         grid,
         (kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table, grad_k, grad_v, grad_kv,

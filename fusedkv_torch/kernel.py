@@ -435,8 +435,8 @@ def _strides(tensor, ndim: int) -> tuple:
 def _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, cache_loc, k_scale,
             v_scale, v_multiplier, layer_rope_table=None, compiled=None) -> None:
     grid, constexprs, num_warps, dependent_launch = plan
-    # One table is table 0 of one: its table stride is never used.
-    table_strides = cos_sin_cache.stride() if layer_rope_table is not None else (0, *cos_sin_cache.stride())
+    # One table is table 0 of one: its table stride is never used, and 1 is specialized away (_strides).
+    table_strides = cos_sin_cache.stride() if layer_rope_table is not None else (1, *cos_sin_cache.stride())
     _launcher(
         grid,
         (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_dest, v_dest, k_scale, v_scale, v_multiplier,
