@@ -1,5 +1,5 @@
-"""``fusedkv bench``'s rows of a training step through the op: its forward and backward, each
-row against autodiff of the unfused math, all of kind ``backward``.
+"""``fusedkv bench``'s rows of a training step through the op, its forward and backward, beside
+autodiff of the unfused math in each framework, all of kind ``backward``:
 
 * ``triton-train``: ``fusedkv_torch.fused_kv_norm_rope`` and ``torch.autograd.grad`` of its
   outputs (the Triton forward, then the Triton backward kernel);
