@@ -544,6 +544,17 @@ def test_a_kernel_the_jit_does_not_launch_once_per_call_fails_and_is_not_timed()
     assert twice.seconds is None
 
 
+def test_a_step_of_two_kernels_a_call_passes_where_the_jit_launches_both_once_per_call():
+    pytest.importorskip("jax")
+
+    def twice_declared(workload):
+        return dataclasses.replace(_callback_steps(workload, launches_per_call=2), kernel_launches=2)
+
+    declared, = run(plan([TINY], [3], [Implementation("declared-twice", "jax", "backward", twice_declared)]),
+                    dtype="bfloat16", framework="jax", effort=ONCE)
+    assert declared.check == "ok" and declared.seconds is not None
+
+
 @pytest.mark.parametrize("looped", [False, True], ids=["one layer a program", "every layer a program"])
 def test_the_floor_rows_copy_k_and_v_bit_for_bit_and_are_timed(looped, monkeypatch):
     pytest.importorskip("jax")
@@ -688,6 +699,59 @@ def test_every_implementation_passes_its_check_on_small_inputs(implementation):
     else:
         assert prepared.check() == "ok"
     assert prepared.bytes_moved >= TINY.op_bytes(5, "bfloat16") or implementation.kind == "materializer"
+
+
+TRAINING = ["triton-train", "torch-compile-train", "pallas-train", "jnp-jit-train"]
+
+
+def test_the_backward_kind_holds_the_training_steps_read_against_their_frameworks_copy():
+    runnable, skipped = select(["backward"], {"torch": "gpu", "jax": "gpu"})
+    assert [i.name for i in runnable] == ["triton-bwd", "pallas-bwd", *TRAINING, "torch-copy", "xla-copy"]
+    assert skipped == [] and not any(BY_NAME[name].does_op for name in TRAINING)
+
+
+def test_a_training_step_moves_the_forwards_and_the_backwards_bytes():
+    pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    from interop.bench.workload import Workload
+
+    workload = Workload(TINY, 5, "bfloat16", framework="torch", torch_device="cuda" if ON_GPU else "cpu",
+                        set_count=3)
+    kv_bytes = 5 * 2 * (2 * 2 * 32) * 2  # tokens * layers * (K and V of 2 heads of 32) * bf16
+    # forward: read kv, write K and V; backward: read kv, K's and V's gradients, write kv's
+    assert {name: BY_NAME[name].prepare(workload).bytes_moved for name in TRAINING} == dict.fromkeys(
+        TRAINING, (2 + 3) * kv_bytes)
+
+
+def _detached_kv(math, detach):
+    """``math`` of a ``kv`` of the same values that carries no gradient back to ``kv``."""
+    def forward(kv, *rest, config):
+        return math(kv * 0 + detach(kv), *rest, config=config)
+    return forward
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_a_training_step_whose_kv_gradient_is_wrong_fails_its_check(framework):
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    from interop.bench import training
+    from interop.bench.baselines import jnp_reference_math, torch_reference_math
+    from interop.bench.timers import chained_calls
+    from interop.bench.workload import Workload
+
+    workload = Workload(TINY, 5, "bfloat16", framework="torch", torch_device="cuda" if ON_GPU else "cpu",
+                        set_count=3)
+    if framework == "torch":
+        forward = functools.partial(_detached_kv(torch_reference_math, torch.Tensor.detach), config=TINY.config)
+        verdict = training.torch_training(workload, forward).check()
+    else:
+        forward = functools.partial(_detached_kv(jnp_reference_math, jax.lax.stop_gradient), config=TINY.config)
+        prepared = training.jax_training(workload, forward)
+        run_chain = chained_calls(prepared.step, 1, len(prepared.varying), fresh_outputs=True)
+        outputs, _ = run_chain(prepared.fixed, prepared.varying, prepared.new_outputs(), jax.numpy.zeros(1))
+        verdict = prepared.check(outputs, 0)
+    # K and V are right; every one of kv's gradient elements is zero
+    assert re.fullmatch(r"FAIL: grad_kv: \d+ elements off by more than .*", verdict), verdict
 
 
 @pytest.mark.gpu

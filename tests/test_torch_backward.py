@@ -168,6 +168,45 @@ def test_backward_under_fullgraph_compile_matches_eager():
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="captures a CUDA graph")
+def test_forward_and_backward_captured_in_a_cuda_graph_replay_the_eager_gradients_bit_for_bit():
+    config = FusedKVConfig(2, 16, 16, "neox")
+    arrays, grads, _ = _inputs(config, dtype="bfloat16", total_ctx=5)
+    kv, weight, eps, cache, positions = (to_torch(a).to(DEVICE) for a in arrays)
+    probe_k, probe_v = (torch.tensor(g, device=DEVICE).to(kv.dtype) for g in grads)
+    other_kv = to_torch(_inputs(config, dtype="bfloat16", total_ctx=5, seed=3)[0][0]).to(DEVICE)
+
+    def loss(kv, weight):
+        k, v = fusedkv_torch.fused_kv_norm_rope(kv, weight, eps, cache, positions, **_static(config))
+        return (k * probe_k).sum() + (v * probe_v).sum()
+
+    def eager_grads(kv_values):
+        leaves = [kv_values.clone().requires_grad_(), weight.clone().requires_grad_()]
+        loss(*leaves).backward()
+        return [leaf.grad for leaf in leaves]
+
+    static = [kv.clone().requires_grad_(), weight.clone().requires_grad_()]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capturing stream: compilation, autograd's first run
+        for _ in range(3):
+            loss(*static).backward()
+    torch.cuda.current_stream().wait_stream(side)
+    for leaf in static:
+        leaf.grad = None  # the captured backward then allocates the gradients in the graph's pool
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss(*static).backward()
+    for kv_values in (kv, other_kv):  # the inputs of the capture, then others copied into its static input
+        with torch.no_grad():
+            static[0].copy_(kv_values)
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, expected in zip([leaf.grad for leaf in static], eager_grads(kv_values)):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
 def test_outputs_given_to_a_call_that_requires_grad_are_refused():
     config = FusedKVConfig(2, 8, 8, "neox")
     kv, weight, eps, cache, positions, _ = _op_leaves(config)

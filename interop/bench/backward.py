@@ -40,7 +40,7 @@ def backward_verdict(grad_kv, kv, k_norm_weight, eps, cos_sin_cache, positions, 
     return "FAIL: " + mismatch if mismatch else "ok"
 
 
-def _output_grads(workload: Workload, index: int, framework: str) -> tuple:
+def output_grads(workload: Workload, index: int, framework: str) -> tuple:
     """Random gradients of K and V for set ``index``: the next sets' ``kv``, reshaped and
     transposed to the outputs' layout (as random, and already in both frameworks)."""
     shape = workload.shape.output_shape(workload.total_ctx)
@@ -61,7 +61,7 @@ def triton_backward(workload: Workload) -> Calls:
     static = workload.shape.static()
     sets = workload.sets(backward_bytes(workload))
     args = [workload.op_args(i, "torch") for i in range(sets)]
-    grads = [tuple(g.contiguous() for g in _output_grads(workload, i, "torch")) for i in range(sets)]
+    grads = [tuple(g.contiguous() for g in output_grads(workload, i, "torch")) for i in range(sets)]
 
     def call(i):
         return torch.ops.fusedkv.fused_kv_norm_rope_backward(*args[i], *grads[i], *static.values(), None)
@@ -79,7 +79,7 @@ def pallas_backward(workload: Workload) -> Steps:
     static = workload.shape.static()
     sets = workload.sets(backward_bytes(workload))
     fixed = workload.shared("jax")
-    varying = [(*workload.varying(i, "jax"), *_output_grads(workload, i, "jax")) for i in range(sets)]
+    varying = [(*workload.varying(i, "jax"), *output_grads(workload, i, "jax")) for i in range(sets)]
     kv = varying[0][0]
     call = CallShape(workload.shape.config, workload.total_ctx, workload.shape.n_layers, int(fixed[2].shape[0]))
     options = kernel._launch_options(call, kv, None, None, None, None)

@@ -5,7 +5,10 @@ Kinds:
 * ``kernel``: ours, the Triton kernel (torch) and the Pallas kernel (jax) on each of its
   lowerings: ``pallas`` on Triton (the default), ``pallas-mosaic`` on Mosaic GPU;
 * ``backward``: their backward kernels alone, ``triton-bwd`` and ``pallas-bwd``
-  (:mod:`interop.bench.backward`), read against their framework's copy;
+  (:mod:`interop.bench.backward`), and a training step's forward and backward of the op
+  beside autodiff of the baselines' math, ``triton-train``, ``torch-compile-train``,
+  ``pallas-train``, ``jnp-jit-train`` (:mod:`interop.bench.training`), read against their
+  framework's copy;
 * ``baseline``: the op as a model author would write it (eager PyTorch, ``torch.compile``,
   jnp under ``jax.jit``, which XLA fuses); the fastest is the speed-up column's yardstick;
 * ``copy``: a device copy of the op's bytes in the same framework (the "of copy" column);
@@ -33,7 +36,7 @@ import dataclasses
 import functools
 from typing import Callable, Sequence
 
-from interop.bench import backward, materializers
+from interop.bench import backward, materializers, training
 from interop.bench.baselines import jnp_reference_math, torch_reference_math
 from interop.bench.check import copy_verdict, op_verdict
 from interop.bench.rows import Calls, Implementation, NotApplicable, Steps, op_calls, op_steps
@@ -200,6 +203,31 @@ def _jnp_eager(workload: Workload) -> Calls:
     return op_calls(workload, "jax", jitted, given_outputs=False)
 
 
+def _triton_train(workload: Workload) -> Calls:
+    from fusedkv_torch import fused_kv_norm_rope
+
+    return training.torch_training(workload, functools.partial(fused_kv_norm_rope, **workload.shape.static()))
+
+
+def _torch_compile_train(workload: Workload) -> Calls:
+    return training.torch_training(workload, functools.partial(_compiled_torch_math(),
+                                                               config=workload.shape.config))
+
+
+def _pallas_train(workload: Workload) -> Steps:
+    """The Pallas kernel's forward and backward, each one custom call a call (interpreted: XLA's work)."""
+    from fusedkv_jax import fused_kv_norm_rope, kernel
+
+    interpret = kernel.on_cpu(workload.varying(0, "jax")[0])
+    return training.jax_training(
+        workload, functools.partial(fused_kv_norm_rope, **workload.shape.static(), lowering="triton"),
+        kernel_target=None if interpret else backward.PALLAS_TRITON_TARGET)
+
+
+def _jnp_jit_train(workload: Workload) -> Steps:
+    return training.jax_training(workload, functools.partial(jnp_reference_math, config=workload.shape.config))
+
+
 def _pallas_floor(workload: Workload, *, cos_sin: bool) -> Steps:
     """:func:`interop.bench.floors.copy` over every input set, checked as a copy of K and V."""
     from interop.bench import floors
@@ -263,6 +291,10 @@ IMPLEMENTATIONS = (
     Implementation("pallas-mosaic", "jax", "kernel", _pallas_mosaic),
     Implementation("triton-bwd", "torch", "backward", backward.triton_backward, does_op=False),
     Implementation("pallas-bwd", "jax", "backward", backward.pallas_backward, does_op=False),
+    Implementation("triton-train", "torch", "backward", _triton_train, does_op=False),
+    Implementation("torch-compile-train", "torch", "backward", _torch_compile_train, does_op=False),
+    Implementation("pallas-train", "jax", "backward", _pallas_train, does_op=False),
+    Implementation("jnp-jit-train", "jax", "backward", _jnp_jit_train, does_op=False),
     Implementation("torch-eager", "torch", "baseline", _torch_eager, baseline=True),
     Implementation("torch-compile", "torch", "baseline", _torch_compile, baseline=True),
     Implementation("jnp-jit", "jax", "baseline", _jnp_steps, baseline=True),

@@ -40,8 +40,9 @@ class Steps:
     ``varying`` holds one tuple per input set; ``new_outputs()`` makes poisoned outputs;
     ``check(outputs, index)`` judges the outputs of a call on set ``index``;
     ``fresh_outputs``: the step allocates its outputs instead of writing the ones it is
-    given; ``kernel_target``: the step is one kernel XLA cannot fuse into, a custom call
-    whose target matches this regex, which the compiled jit must launch once per call; ``shift_inputs``:
+    given; ``kernel_target``: the step is kernels XLA cannot fuse into, custom calls whose
+    target matches this regex, which the compiled jit must launch ``kernel_launches`` times
+    per call (a forward and its backward: two); ``shift_inputs``:
     :func:`~interop.bench.timers.chained_calls`'s override of its rule (None keeps it);
     ``calls_bytes``: the bytes a call's time is estimated from to size a jit, where not
     ``bytes_moved`` (rows compared with each other run as many calls a jit).
@@ -55,6 +56,7 @@ class Steps:
     check: Callable[[object, int], str]
     fresh_outputs: bool = False
     kernel_target: str | None = None
+    kernel_launches: int = 1
     shift_inputs: bool | None = None
     calls_bytes: int | None = None
 

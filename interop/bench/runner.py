@@ -143,9 +143,10 @@ def _ready_in_jit(prepared: Steps, effort: Effort) -> tuple[dict, Timer | None]:
                  method=f"in-jit, {calls} calls/jit (~{estimate * 1e3:.2g} ms est.)")
     if prepared.kernel_target is not None:
         launches = _launches(run, arguments, prepared.kernel_target)
-        if launches != calls:
+        if launches != calls * prepared.kernel_launches:
+            each = f" of {prepared.kernel_launches} launches" if prepared.kernel_launches != 1 else ""
             return dict(found, check=f"FAIL: the jit launches {prepared.kernel_target} {launches} times for "
-                                     f"{calls} calls (XLA merged or dropped calls)"), None
+                                     f"{calls} calls{each} (XLA merged or dropped calls)"), None
     outputs, _ = run(*arguments)
     found["check"] = prepared.check(outputs, (calls - 1) % sets)
     if found["check"] != "ok":
