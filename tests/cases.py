@@ -54,6 +54,10 @@ class Call:
     table_dtype: str = "float32"
     # Each layer's table among ROPE_TABLES (indices outside them included); () for one 2-D table.
     layer_rope_tables: tuple[int, ...] = ()
+    # False: a draft without a K-norm (k_norm_weight and eps None).
+    normed: bool = True
+    # True: a seeded per-layer v_multiplier (a model's value scale).
+    v_multiplied: bool = False
 
     @property
     def config(self) -> FusedKVConfig:
@@ -81,7 +85,20 @@ class Call:
         if self.layer_rope_tables:
             table = np.stack([rope_cos_sin_cache(self.max_position, self.rotary_dim, base)
                               for base in ROPE_TABLES]).astype(table.dtype)
+        if not self.normed:
+            return (inputs.kv, None, None, table, positions)
         return (inputs.kv, inputs.k_norm_weight, inputs.eps, table, positions)
+
+    def v_multiplier(self) -> np.ndarray | None:
+        """fp32[n_layers] in [0.5, 2), or None where the call has none."""
+        if not self.v_multiplied:
+            return None
+        return np.random.default_rng(self.seed + 5).uniform(0.5, 2.0, self.n_layers).astype(np.float32)
+
+    def v_bit_exact(self, backend) -> bool:
+        """Whether V must come back bit for bit: a copy always; scaled, not from Triton's
+        interpreter in bf16, which rounds to bf16 by truncation (README)."""
+        return not (self.v_multiplied and backend.triton_interpreter and self.dtype == "bfloat16")
 
     def layer_rope_table(self) -> np.ndarray | None:
         return np.array(self.layer_rope_tables, np.int32) if self.layer_rope_tables else None
@@ -147,14 +164,22 @@ def poisoned(shape, dtype: str, *, seed: int) -> np.ndarray:
 
 def _device_inputs(backend, call: Call, host):
     kv, *rest, positions = host
-    return [backend.kv(kv, call.kv_workspace_padding), *(backend.put(a) for a in rest),
+    return [backend.kv(kv, call.kv_workspace_padding), *(None if a is None else backend.put(a) for a in rest),
             backend.put_small(positions, call.small_on_host)]
 
 
-def _layer_rope_table(backend, call: Call) -> dict:
-    """The call's ``layer_rope_table`` keyword, on the backend (none for one table)."""
-    table = call.layer_rope_table()
-    return {} if table is None else dict(layer_rope_table=backend.put_small(table, call.small_on_host))
+def _per_layer_options(backend, call: Call) -> dict:
+    """The call's ``layer_rope_table`` and ``v_multiplier`` keywords, on the backend (those it has)."""
+    options = dict(layer_rope_table=call.layer_rope_table(), v_multiplier=call.v_multiplier())
+    return {name: backend.put_small(array, call.small_on_host) for name, array in options.items()
+            if array is not None}
+
+
+def _assert_v(v, expected_v, call: Call, backend, name: str = "v") -> None:
+    if call.v_bit_exact(backend):
+        assert_bit_exact(v, expected_v, name=name)
+    else:
+        assert_close(v, expected_v, name=name)
 
 
 def _note_arrays(call: Call, **arrays):
@@ -174,16 +199,17 @@ def check_op_case(backend, case: OpCase) -> None:
         poison = np.full(call.output_shape, np.nan, np.float32).astype(numpy_dtype(call.dtype))
         outputs = dict(k_out=backend.put(poison), v_out=backend.put(poison))
     k, v = backend.kernel.fused_kv_norm_rope(*_device_inputs(backend, call, host), **call.static, **outputs,
-                                             **_layer_rope_table(backend, call))
+                                             **_per_layer_options(backend, call))
     if case.outputs_given and backend.writes_in_place:
         assert k is outputs["k_out"] and v is outputs["v_out"], "given outputs are written in place"
     k, v = as_numpy(k), as_numpy(v)
     assert k.shape == v.shape == call.output_shape
     assert k.dtype == v.dtype == numpy_dtype(call.dtype)
     expected_k, expected_v = fused_kv_norm_rope_reference(*host, **call.static,
-                                                          layer_rope_table=call.layer_rope_table())
+                                                          layer_rope_table=call.layer_rope_table(),
+                                                          v_multiplier=call.v_multiplier())
     assert_close(k, expected_k)
-    assert_bit_exact(v, expected_v)
+    _assert_v(v, expected_v, call, backend)
     assert np.isnan(k[:, call.bad_tokens].astype(np.float32)).all(), "out-of-range positions give NaN K rows"
 
 
@@ -232,13 +258,14 @@ def check_cache_case(backend, case: CacheCase) -> None:
     k_cache, v_cache = backend.put(k_before), backend.put(v_before)
     k, v = backend.kernel.fused_kv_norm_rope_into_cache(
         *_device_inputs(backend, call, host), backend.put_small(slots, call.small_on_host), k_cache, v_cache,
-        **call.static, **_layer_rope_table(backend, call),
+        **call.static, **_per_layer_options(backend, call),
         **{name: backend.put_small(scale, call.small_on_host) for name, scale in scales.items()})
     if backend.writes_in_place:
         assert k is k_cache and v is v_cache, "caches are written in place"
     k, v = as_numpy(k), as_numpy(v)
     expected_k, expected_v = fused_kv_norm_rope_into_cache_reference(
-        *host, slots, k_before, v_before, **call.static, **scales, layer_rope_table=call.layer_rope_table())
+        *host, slots, k_before, v_before, **call.static, **scales, layer_rope_table=call.layer_rope_table(),
+        v_multiplier=call.v_multiplier())
 
     written = [int(slot) for slot in slots if 0 <= slot < case.num_slots]
     untouched = sorted(set(range(case.num_slots)) - set(written))
@@ -255,6 +282,6 @@ def check_cache_case(backend, case: CacheCase) -> None:
     if case.v_cache_dtype == FP8:
         assert_fp8_close(v, expected_v, triton_interpreter=interpreted, name="v_cache")
     else:
-        assert_bit_exact(v, expected_v, name="v_cache")
+        _assert_v(v, expected_v, call, backend, name="v_cache")
     assert np.isnan(k[:, nan_rows].astype(np.float32)).all(), "out-of-range positions give NaN K rows"
 

@@ -2,7 +2,7 @@
 
 Hypothesis draws the whole call (layers, heads, head_dim, rotary_dim, rope style, dtypes,
 the cos/sin table's included, one table or one per RoPE with each layer's index (some
-outside the tables), token count, a strided or contiguous ``kv``, given or absent
+outside the tables), a K-norm or none, a v_multiplier or none, token count, a strided or contiguous ``kv``, given or absent
 outputs, int32/int64 positions with some out of range, a paged cache with padding slots
 and fp8 caches) and a
 seed for NumPy's generator, which makes the arrays (``interop.testing.random_inputs``).
@@ -107,7 +107,7 @@ def calls(draw, limits: Limits = LIMITS) -> Call:
         max_position=max_position, position_dtype=position_dtype, out_of_range_positions=out_of_range,
         kv_workspace_padding=padding, small_on_host=draw(st.booleans()),
         seed=draw(st.integers(0, 2**32 - 1)), table_dtype=draw(st.sampled_from(ROPE_TABLE_DTYPES)),
-        layer_rope_tables=layer_rope_tables,
+        layer_rope_tables=layer_rope_tables, normed=draw(st.booleans()), v_multiplied=draw(st.booleans()),
     )
 
 
