@@ -69,41 +69,45 @@ def verdict(k, v, k_expected, v_expected, *, v_exact: bool = True) -> str:
     return "FAIL: " + (k_result.report() if not k_result.ok else f"v: {v_bad} elements differ")
 
 
-def op_verdict(k, v, kv, k_norm_weight, eps, cos_sin_cache, positions, *, static: dict) -> str:
+def op_verdict(k, v, kv, k_norm_weight, eps, cos_sin_cache, positions, *, static: dict, options: dict | None = None,
+               v_exact: bool = True) -> str:
     """``'ok'``, or what is wrong with ``(k, v)``, the op's outputs for these inputs.
 
     ``k, v``: [n_layers, total_ctx, num_kv_heads, head_dim] and the inputs, arrays of
-    any framework on any device; ``static``: the op's ``num_kv_heads``, ``head_dim``,
-    ``rotary_dim`` and ``rope_style``.
+    any framework on any device (``k_norm_weight`` and ``eps`` None for no K-norm);
+    ``static``: the op's ``num_kv_heads``, ``head_dim``, ``rotary_dim`` and ``rope_style``;
+    ``options``: the call's ``v_multiplier`` and ``layer_rope_table``, if any; ``v_exact``:
+    see :func:`verdict`.
     """
     unwritten = count_nan(k) + count_nan(v)
     if unwritten:
         return f"FAIL: {unwritten} elements unwritten (NaN)"
     rows = checked_rows(int(kv.shape[0]))
     k_expected, v_expected = fused_kv_norm_rope_reference(
-        take_rows(kv, rows, 0), as_numpy(k_norm_weight), as_numpy(eps), as_numpy(cos_sin_cache),
-        take_rows(positions, rows, 0), **static)
-    return verdict(take_rows(k, rows, 1), take_rows(v, rows, 1), k_expected, v_expected)
+        take_rows(kv, rows, 0), k_norm_weight, eps, as_numpy(cos_sin_cache), take_rows(positions, rows, 0),
+        **static, **(options or {}))
+    return verdict(take_rows(k, rows, 1), take_rows(v, rows, 1), k_expected, v_expected, v_exact=v_exact)
 
 
-def projection_verdict(kv, ctx_hidden, layers) -> str:
+def projection_verdict(kv, ctx_hidden, layers, *, tolerance=END_TO_END_TOLERANCE) -> str:
     """``'ok'``, or what is wrong with ``kv``, a materializer's GEMM output for ``ctx_hidden``.
 
-    The GEMM rounds to the weights' dtype after accumulating in its own order, so it is
-    held to :data:`~interop.testing.END_TO_END_TOLERANCE`, whose reason covers that
-    rounding, rather than bit for bit.
+    The GEMM rounds to kv's dtype after accumulating in its own order, so it is held to
+    :data:`~interop.testing.END_TO_END_TOLERANCE`, whose reason covers that rounding,
+    rather than bit for bit (FP8 weights: ``tolerance``
+    :data:`~interop.testing.FP8_GEMM_TOLERANCE`, for the FP8 GEMM's quantized activations).
     """
     unwritten = count_nan(kv)
     if unwritten:
         return f"FAIL: {unwritten} elements unwritten (NaN)"
     rows = checked_rows(int(kv.shape[0]))
-    weight_dtype = as_numpy(layers[0].kv_proj_weight).dtype
-    expected = projection_reference(layers, take_rows(ctx_hidden, rows, 0)).astype(weight_dtype)
-    result = compare(take_rows(kv, rows, 0), expected, name="kv", tolerance=END_TO_END_TOLERANCE)
+    got = take_rows(kv, rows, 0)
+    expected = projection_reference(layers, take_rows(ctx_hidden, rows, 0)).astype(got.dtype)
+    result = compare(got, expected, name="kv", tolerance=tolerance)
     return "ok" if result.ok else "FAIL: " + result.report()
 
 
-def end_to_end_verdict(k, v, layers, ctx_hidden, positions, *, slots=None) -> str:
+def end_to_end_verdict(k, v, layers, ctx_hidden, positions, *, slots=None, tolerance=END_TO_END_TOLERANCE) -> str:
     """``'ok'``, or what is wrong with ``(k, v)``, a materializer's outputs for ``ctx_hidden``.
 
     Against the materializer's fp32 NumPy path (:func:`interop.core.materializer.materializer_reference`)
@@ -111,7 +115,8 @@ def end_to_end_verdict(k, v, layers, ctx_hidden, positions, *, slots=None) -> st
     on a second GEMM of the same inputs would hold the GEMM to its own rounding, which XLA
     may reach by another algorithm in another compilation. ``slots``: ``k`` and ``v`` are
     paged caches holding token ``t`` at slot ``slots[t]``; only the sampled tokens' slots
-    are read (the other slots are the cache's, not the call's).
+    are read (the other slots are the cache's, not the call's). FP8 weights: ``tolerance``
+    :data:`~interop.testing.FP8_GEMM_TOLERANCE`, as in :func:`projection_verdict`.
     """
     rows = checked_rows(int(ctx_hidden.shape[0]))
     if slots is None:
@@ -126,7 +131,7 @@ def end_to_end_verdict(k, v, layers, ctx_hidden, positions, *, slots=None) -> st
     k_expected, v_expected = materializer_reference(layers, take_rows(ctx_hidden, rows, 0),
                                                     take_rows(positions, rows, 0))
     for name, sampled, expected in (("k", got[0], k_expected), ("v", got[1], v_expected)):
-        result = compare(sampled, expected, name=name, tolerance=END_TO_END_TOLERANCE)
+        result = compare(sampled, expected, name=name, tolerance=tolerance)
         if not result.ok:
             return "FAIL: " + result.report()
     return "ok"

@@ -19,6 +19,12 @@ Rows, per framework:
 * ``torch-reference-flow``: the flow the materializer replaces: the GEMM, the op into a
   temporary ``[n_layers, total_ctx, heads, head_dim]`` pair, then per layer
   ``k_cache[layer][slots] = k[layer]`` and the same for V.
+
+With ``fp8=True`` (the ``*-gemm-fp8`` and ``*-materializer-fp8`` rows, of kind ``options``) the
+materializer's weights are the workload's bf16 weights quantized per output row to
+float8_e4m3fn (:func:`interop.testing.fp8_layers`), checked under
+:data:`~interop.testing.FP8_GEMM_TOLERANCE`: on FP8 tensor cores the GEMM quantizes its
+activations too.
 """
 
 from __future__ import annotations
@@ -27,12 +33,12 @@ import dataclasses
 import functools
 
 from interop.bench.check import end_to_end_verdict, op_verdict, projection_verdict
-from interop.bench.rows import Calls, Steps, nan_pair
+from interop.bench.rows import Calls, NotApplicable, Steps, nan_pair
 from interop.bench.shapes import MAX_POSITION, BenchShape
 from interop.bench.workload import Workload
 from interop.core.arrays import numpy_dtype
 from interop.exchange import to_torch
-from interop.testing import random_case
+from interop.testing import END_TO_END_TOLERANCE, FP8_GEMM_TOLERANCE, fp8_layers, random_case
 
 
 @functools.cache
@@ -42,24 +48,44 @@ def materializer_case(shape: BenchShape, dtype: str):
 
 
 @functools.cache
-def torch_materializer(shape: BenchShape, dtype: str, device: str):
+def host_layers(shape: BenchShape, dtype: str, fp8: bool = False) -> tuple:
+    """The case's layers, their weights quantized per output row to FP8 with ``fp8``."""
+    layers = materializer_case(shape, dtype).layers
+    return fp8_layers(layers) if fp8 else tuple(layers)
+
+
+@functools.cache
+def torch_materializer(shape: BenchShape, dtype: str, device: str, fp8: bool = False):
     from fusedkv_torch.materializer import FusedKVMaterializer
 
-    layers = [dataclasses.replace(layer, kv_proj_weight=to_torch(layer.kv_proj_weight).to(device),
-                                  k_norm_weight=to_torch(layer.k_norm_weight).to(device))
-              for layer in materializer_case(shape, dtype).layers]
+    def on_device(array):
+        return None if array is None else to_torch(array).to(device)
+
+    layers = [dataclasses.replace(layer, kv_proj_weight=on_device(layer.kv_proj_weight),
+                                  k_norm_weight=on_device(layer.k_norm_weight),
+                                  weight_scale=on_device(layer.weight_scale))
+              for layer in host_layers(shape, dtype, fp8)]
     return FusedKVMaterializer(layers)
 
 
 @functools.cache
-def jax_materializer(shape: BenchShape, dtype: str):
+def jax_materializer(shape: BenchShape, dtype: str, fp8: bool = False):
     from fusedkv_jax.materializer import FusedKVMaterializer
 
-    return FusedKVMaterializer(materializer_case(shape, dtype).layers)
+    return FusedKVMaterializer(host_layers(shape, dtype, fp8))
 
 
-def _layers(workload: Workload):
-    return materializer_case(workload.shape, workload.dtype).layers
+def _layers(workload: Workload, fp8: bool = False):
+    return host_layers(workload.shape, workload.dtype, fp8)
+
+
+def _tolerance(fp8: bool):
+    return FP8_GEMM_TOLERANCE if fp8 else END_TO_END_TOLERANCE
+
+
+def _check_fp8(workload: Workload, fp8: bool) -> None:
+    if fp8 and workload.dtype != "bfloat16":
+        raise NotApplicable(f"FP8 weights give bfloat16 K and V, not {workload.dtype}")
 
 
 def _bytes(workload: Workload) -> tuple[int, int]:
@@ -76,31 +102,32 @@ def family_sets(workload: Workload) -> int:
     return workload.sets(hidden_bytes + 3 * shape.kv_nbytes(total_ctx, dtype))
 
 
-def _torch_family(workload: Workload):
-    """The torch materializer (workspace reserved), the family's sets, and their
-    ``ctx_hidden``, positions and slots."""
-    materializer = torch_materializer(workload.shape, workload.dtype, workload.torch_device)
+def _torch_family(workload: Workload, fp8: bool = False):
+    """The torch materializer (workspace reserved; ``fp8``: of FP8 weights), the family's
+    sets, and their ``ctx_hidden``, positions and slots."""
+    _check_fp8(workload, fp8)
+    materializer = torch_materializer(workload.shape, workload.dtype, workload.torch_device, fp8)
     materializer.reserve(workload.total_ctx)
     sets = family_sets(workload)
     return (materializer, sets, [workload.hidden(i, "torch") for i in range(sets)],
             [workload.varying(i, "torch")[1] for i in range(sets)], [workload.slots(i, "torch") for i in range(sets)])
 
 
-def torch_gemm(workload: Workload) -> Calls:
-    materializer, sets, hidden, _, _ = _torch_family(workload)
+def torch_gemm(workload: Workload, *, fp8: bool = False) -> Calls:
+    materializer, sets, hidden, _, _ = _torch_family(workload, fp8)
 
     def call(i):
         return materializer.project(hidden[i])
 
     def check():
         call(0).fill_(float("nan"))
-        return projection_verdict(call(0), hidden[0], _layers(workload))
+        return projection_verdict(call(0), hidden[0], _layers(workload, fp8), tolerance=_tolerance(fp8))
 
     return Calls(call, sets, _bytes(workload)[0], check)
 
 
-def torch_materialize(workload: Workload) -> Calls:
-    materializer, sets, hidden, positions, _ = _torch_family(workload)
+def torch_materialize(workload: Workload, *, fp8: bool = False) -> Calls:
+    materializer, sets, hidden, positions, _ = _torch_family(workload, fp8)
     outputs = [nan_pair(workload, "torch") for _ in range(sets)]
 
     def call(i):
@@ -150,11 +177,12 @@ def torch_reference_flow(workload: Workload) -> Calls:
 
 
 def _jax_steps(workload: Workload, step, varying: list, new_outputs, bytes_moved: int, check, *,
-               fresh_outputs: bool) -> Steps:
-    """A JAX row of the family: the materializer fixed, ``ctx_hidden`` shifted by the chain's
-    zero in every row, and as many calls a jit as the end-to-end row."""
-    return Steps(step, jax_materializer(workload.shape, workload.dtype), varying, new_outputs, bytes_moved, check,
-                 fresh_outputs=fresh_outputs, shift_inputs=True, calls_bytes=_bytes(workload)[1])
+               fresh_outputs: bool, fp8: bool = False) -> Steps:
+    """A JAX row of the family: the materializer fixed (``fp8``: of FP8 weights), ``ctx_hidden``
+    shifted by the chain's zero in every row, and as many calls a jit as the end-to-end row."""
+    _check_fp8(workload, fp8)
+    return Steps(step, jax_materializer(workload.shape, workload.dtype, fp8), varying, new_outputs, bytes_moved,
+                 check, fresh_outputs=fresh_outputs, shift_inputs=True, calls_bytes=_bytes(workload)[1])
 
 
 def _jax_inputs(workload: Workload, *, slots: bool = False) -> list:
@@ -162,7 +190,7 @@ def _jax_inputs(workload: Workload, *, slots: bool = False) -> list:
             for i in range(family_sets(workload))]
 
 
-def jax_gemm(workload: Workload) -> Steps:
+def jax_gemm(workload: Workload, *, fp8: bool = False) -> Steps:
     import jax.numpy as jnp
 
     kv_shape = workload.shape.kv_shape(workload.total_ctx)
@@ -170,26 +198,28 @@ def jax_gemm(workload: Workload) -> Steps:
     def step(materializer, varying, outputs):
         return materializer.project(varying[0])
 
+    def check(outputs, i):
+        return projection_verdict(outputs, workload.hidden(i, "jax"), _layers(workload, fp8), tolerance=_tolerance(fp8))
+
     return _jax_steps(workload, step, _jax_inputs(workload),
-                      lambda: jnp.full(kv_shape, jnp.nan, jnp.dtype(workload.dtype)), _bytes(workload)[0],
-                      lambda outputs, i: projection_verdict(outputs, workload.hidden(i, "jax"), _layers(workload)),
-                      fresh_outputs=True)
+                      lambda: jnp.full(kv_shape, jnp.nan, jnp.dtype(workload.dtype)), _bytes(workload)[0], check,
+                      fresh_outputs=True, fp8=fp8)
 
 
-def _jax_check(workload: Workload, outputs, index: int, *, slots: bool = False) -> str:
+def _jax_check(workload: Workload, outputs, index: int, *, slots: bool = False, fp8: bool = False) -> str:
     """The end-to-end outputs (or caches) of a call on set ``index`` against the
     materializer's fp32 NumPy path."""
-    return end_to_end_verdict(*outputs, _layers(workload), workload.hidden(index, "jax"),
+    return end_to_end_verdict(*outputs, _layers(workload, fp8), workload.hidden(index, "jax"),
                               workload.varying(index, "jax")[1],
-                              slots=workload.slots(index, "jax") if slots else None)
+                              slots=workload.slots(index, "jax") if slots else None, tolerance=_tolerance(fp8))
 
 
-def jax_materialize(workload: Workload) -> Steps:
+def jax_materialize(workload: Workload, *, fp8: bool = False) -> Steps:
     def step(materializer, varying, outputs):
         return materializer.materialize(*varying)
 
     return _jax_steps(workload, step, _jax_inputs(workload), lambda: nan_pair(workload, "jax"), _bytes(workload)[1],
-                      functools.partial(_jax_check, workload), fresh_outputs=True)
+                      functools.partial(_jax_check, workload, fp8=fp8), fresh_outputs=True, fp8=fp8)
 
 
 def jax_materialize_into_cache(workload: Workload) -> Steps:

@@ -18,6 +18,10 @@ Kinds:
 * ``materializer``: each materializer's GEMM alone, and the materializer end to end,
   into outputs, into a paged cache, and the flow it replaces
   (:mod:`interop.bench.materializers`);
+* ``options``: the op with each of a draft's options, beside the plain op (``triton-*``
+  beside ``triton``, ``pallas-*`` beside ``pallas``; :mod:`interop.bench.options`), and the
+  materializers with FP8 weights beside their bf16 rows, each read against its own GEMM
+  (``torch-gemm-fp8``, ``jax-gemm-fp8``);
 * ``interop``: the backend-neutral call, in one framework and crossing between them;
 * ``host``: an eager call, timed on the host (host dispatch, not device time), and
   ``triton-launch``, Triton's own launch of the compiled kernel the ``triton-host`` call
@@ -36,16 +40,17 @@ import dataclasses
 import functools
 from typing import Callable, Sequence
 
-from interop.bench import backward, materializers, training
+from interop.bench import backward, materializers, options, training
 from interop.bench.baselines import jnp_reference_math, torch_reference_math
 from interop.bench.check import copy_verdict, op_verdict
+from interop.bench.report import on_gemm
 from interop.bench.rows import Calls, Implementation, NotApplicable, Steps, op_calls, op_steps
 from interop.bench.workload import Workload
 
 __all__ = ["BY_NAME", "IMPLEMENTATIONS", "KINDS", "LAUNCH_FLOOR", "Calls", "Implementation", "NotApplicable",
            "Steps", "companions", "select", "unknown_words"]
 
-KINDS = ("kernel", "backward", "baseline", "copy", "floor", "materializer", "interop", "host")
+KINDS = ("kernel", "backward", "baseline", "copy", "floor", "materializer", "options", "interop", "host")
 # The custom call jax lowers a Mosaic GPU kernel to (jax 0.10-0.11).
 MOSAIC_GPU_TARGET = "mosaic_gpu_v2"  # a regex of one name
 LAUNCH_FLOOR = "triton-launch"
@@ -315,6 +320,20 @@ IMPLEMENTATIONS = (
                    gemm="jax-gemm"),
     Implementation("jax-materializer-cache", "jax", "materializer", materializers.jax_materialize_into_cache,
                    does_op=False, gemm="jax-gemm"),
+    *(Implementation(f"{kernel}-{option}", framework, "options", functools.partial(prepare, option=option),
+                     beside=kernel)
+      for kernel, framework, prepare in (("triton", "torch", options.triton_option),
+                                         ("pallas", "jax", options.pallas_option))
+      for option in options.OPTIONS),
+    Implementation("torch-gemm-fp8", "torch", "options", functools.partial(materializers.torch_gemm, fp8=True),
+                   does_op=False, beside="torch-gemm"),
+    Implementation("torch-materializer-fp8", "torch", "options",
+                   functools.partial(materializers.torch_materialize, fp8=True), does_op=False, gemm="torch-gemm-fp8",
+                   beside="torch-materializer"),
+    Implementation("jax-gemm-fp8", "jax", "options", functools.partial(materializers.jax_gemm, fp8=True),
+                   does_op=False, beside="jax-gemm"),
+    Implementation("jax-materializer-fp8", "jax", "options", functools.partial(materializers.jax_materialize, fp8=True),
+                   does_op=False, gemm="jax-gemm-fp8", beside="jax-materializer"),
     Implementation("interop-torch", "torch", "interop",
                    functools.partial(_interop, caller="torch", backend="torch"), clock="host"),
     Implementation("interop-jax", "jax", "interop",
@@ -348,12 +367,15 @@ def unknown_words(words: list[str]) -> list[str]:
 def companions(implementation: Implementation) -> list[str]:
     """The rows ``implementation`` is read against, run whenever it runs: its framework's
     copy (device rows but the materializers', which are compared with their GEMM), its
-    GEMM alone (materializers), Triton's own launch (host rows)."""
+    GEMM alone (materializers), the row without its option (options), Triton's own launch
+    (host rows)."""
     names = []
-    if implementation.clock == "device" and implementation.kind != "materializer":
+    if implementation.clock == "device" and not on_gemm(implementation.kind, implementation.does_op):
         names.append(COPIES[implementation.framework].name)
     if implementation.gemm:
         names.append(implementation.gemm)
+    if implementation.beside:
+        names.append(implementation.beside)
     if implementation.clock == "host":
         names.append(LAUNCH_FLOOR)
     return names

@@ -32,7 +32,13 @@ from interop.bench.shapes import GRID
 
 LAUNCH_FLOOR = "triton-launch"
 CEILING_KINDS = ("copy", "floor")
-BANDWIDTH_KINDS = ("kernel", "backward", "baseline", "copy", "floor", "sweep")
+BANDWIDTH_KINDS = ("kernel", "backward", "baseline", "copy", "floor", "sweep", "options")
+
+
+def on_gemm(kind: str, does_op: bool) -> bool:
+    """Whether a row is read against a GEMM rather than a copy, with no bandwidth: the
+    materializers' rows, and the options rows of FP8 weights (which do more than the op)."""
+    return kind == "materializer" or (kind == "options" and not does_op)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +73,8 @@ class Measurement:
     @property
     def gbps(self) -> float | None:
         """Achieved GB/s, for rows whose bandwidth means something (module docstring)."""
-        timed = self.seconds and self.clock == "device" and self.bytes_moved and self.kind in BANDWIDTH_KINDS
+        timed = (self.seconds and self.clock == "device" and self.bytes_moved and self.kind in BANDWIDTH_KINDS
+                 and not on_gemm(self.kind, self.does_op))
         return self.bytes_moved / self.seconds / 1e9 if timed else None
 
 
@@ -190,14 +197,15 @@ class Section:
 
 
 OP_SECTION = Section("Kernels, floors, copies and baselines: device time per call",
-                     lambda m: m.clock == "device" and m.kind in ("kernel", "backward", "floor", "copy", "baseline"),
+                     lambda m: m.clock == "device" and m.kind in ("kernel", "backward", "floor", "copy", "baseline",
+                                                                  "options") and not on_gemm(m.kind, m.does_op),
                      DEVICE_COLUMNS)
 SECTIONS = (
     OP_SECTION,
     Section("Tiles and forms: device time per call, fastest first", lambda m: m.kind == "sweep", DEVICE_COLUMNS,
             fastest_first=True),
     Section("Materializers: device time per call against the same GEMM call alone",
-            lambda m: m.clock == "device" and m.kind == "materializer", MATERIALIZER_COLUMNS),
+            lambda m: m.clock == "device" and on_gemm(m.kind, m.does_op), MATERIALIZER_COLUMNS),
     Section("Host wall time per eager call, against Triton's own launch of the compiled kernel",
             lambda m: m.clock == "host", HOST_COLUMNS),
 )

@@ -69,7 +69,8 @@ class Implementation:
     ``"jax"``, or a crossing such as ``"jax->torch"`` (the caller's first); ``clock``:
     ``"device"`` or ``"host"``; ``baseline``: its time is a yardstick of the speed-up
     column; ``does_op``: it computes the op and nothing more, so a speed-up is shown;
-    ``gemm``: the row timing the GEMM call this one makes, alone (the "x its GEMM" column).
+    ``gemm``: the row timing the GEMM call this one makes, alone (the "x its GEMM" column);
+    ``beside``: the row that makes the same call without this one's option (kind ``options``).
     """
 
     name: str
@@ -80,6 +81,7 @@ class Implementation:
     baseline: bool = False
     does_op: bool = True
     gemm: str = ""
+    beside: str = ""
 
     @property
     def frameworks(self) -> tuple[str, ...]:
@@ -99,22 +101,38 @@ def nan_pair(workload: Workload, framework: str, rows: int | None = None) -> tup
     return tuple(jnp.full(shape, jnp.nan, jnp.dtype(workload.dtype)) for _ in range(2))
 
 
-def op_calls(workload: Workload, framework: str, function, *, given_outputs: bool) -> Calls:
-    """``function(*op_args)``, or with ``k_out``/``v_out`` of its own set, checked as the op."""
+OP_ARRAYS = ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions")
+
+
+def with_options(op_args: tuple, options: dict) -> tuple[tuple, dict]:
+    """``op_args`` with the arrays that ``options`` names replaced, and the other options (keywords)."""
+    return (tuple(options.get(name, array) for name, array in zip(OP_ARRAYS, op_args)),
+            {name: value for name, value in options.items() if name not in OP_ARRAYS})
+
+
+def op_calls(workload: Workload, framework: str, function, *, given_outputs: bool, options: dict | None = None,
+             v_exact: bool = True) -> Calls:
+    """``function(*op_args)``, or with ``k_out``/``v_out`` of its own set, checked as the op.
+
+    ``options``: the op's options by argument name (:func:`with_options`), given to the
+    call and to the reference alike; ``v_exact``: see :func:`~interop.bench.check.verdict`.
+    """
     shape = workload.shape
     op_bytes = shape.op_bytes(workload.total_ctx, workload.dtype)
     sets = workload.sets(op_bytes)
-    args = [workload.op_args(i, framework) for i in range(sets)]
+    split = [with_options(workload.op_args(i, framework), options or {}) for i in range(sets)]
+    args, keywords = [arrays for arrays, _ in split], split[0][1]
     if given_outputs:
         outputs = [nan_pair(workload, framework) for _ in range(sets)]
 
         def call(i):
-            return function(*args[i], k_out=outputs[i][0], v_out=outputs[i][1])
+            return function(*args[i], k_out=outputs[i][0], v_out=outputs[i][1], **keywords)
     else:
         def call(i):
-            return function(*args[i])
+            return function(*args[i], **keywords)
 
-    return Calls(call, sets, op_bytes, lambda: op_verdict(*call(0), *args[0], static=shape.static()))
+    return Calls(call, sets, op_bytes, lambda: op_verdict(*call(0), *args[0], static=shape.static(),
+                                                          options=keywords, v_exact=v_exact))
 
 
 def op_steps(workload: Workload, step, *, fresh_outputs: bool = False, kernel_target: str | None = None) -> Steps:

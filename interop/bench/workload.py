@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from interop.bench.shapes import MAX_POSITION, BenchShape
+from interop.core.reference import rope_cos_sin_cache
 from interop.exchange import to_framework
 from interop.testing import random_inputs
 
@@ -93,6 +96,16 @@ class _JaxRandom:
         return to_framework(host_array, "jax")
 
 
+def _host_options(shape: BenchShape, host, seed: int) -> dict:
+    """``v_multiplier: fp32[n_layers]`` drawn in [0.5, 2); ``cos_sin_tables: fp32[2, max_pos,
+    rotary_dim]``, the shared table then one of another RoPE base, and ``layer_rope_table:
+    int32[n_layers]`` alternating between them (a draft mixing two RoPEs, layer by layer)."""
+    other = rope_cos_sin_cache(MAX_POSITION, shape.config.rotary_dim, base=1_000_000.0)
+    return dict(v_multiplier=np.random.default_rng(seed).uniform(0.5, 2.0, shape.n_layers).astype(np.float32),
+                cos_sin_tables=np.stack([np.asarray(host.cos_sin_cache, np.float32), other]),
+                layer_rope_table=(np.arange(shape.n_layers) % 2).astype(np.int32))
+
+
 class Workload:
     """The inputs of one (shape, token count, dtype): ``set_count`` sets of ``kv`` and
     positions, one set of per-layer arrays, and ``ctx_hidden`` and cache slot sets for
@@ -113,6 +126,7 @@ class Workload:
         host = random_inputs(shape.config, n_layers=shape.n_layers, total_ctx=0, max_position=MAX_POSITION,
                              seed=seed)
         self._shared = tuple(self._random.put(a) for a in (host.k_norm_weight, host.eps, host.cos_sin_cache))
+        self._options = {name: self._random.put(array) for name, array in _host_options(shape, host, seed).items()}
         self._kv = [self._random.normal(shape.kv_shape(total_ctx), dtype, 2.0) for _ in range(self.set_count)]
         self._positions = [self._random.positions(total_ctx) for _ in range(self.set_count)]
         self._hidden: list = []
@@ -139,6 +153,11 @@ class Workload:
     def shared(self, framework: str) -> tuple:
         """``(k_norm_weight, eps, cos_sin_cache)``."""
         return tuple(self._in(framework, ("shared", i), a) for i, a in enumerate(self._shared))
+
+    def options(self, framework: str) -> dict:
+        """The op's options for the rows of kind ``options``: ``v_multiplier``; ``cos_sin_tables``
+        and ``layer_rope_table`` (see :func:`_host_options`)."""
+        return {name: self._in(framework, ("options", name), array) for name, array in self._options.items()}
 
     def varying(self, index: int, framework: str) -> tuple:
         """``(kv, positions)`` of set ``index``."""
