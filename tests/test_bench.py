@@ -122,6 +122,23 @@ def test_materializer_rows_read_against_their_own_gemm_with_no_bandwidth():
     assert all(row.gbps is row.of_copy is row.of_ceiling is None for row in rows)
 
 
+def test_option_rows_sit_in_the_ops_table_with_bandwidth_and_fp8_rows_in_the_materializers_against_their_gemm():
+    from interop.bench.report import OP_SECTION, SECTIONS
+
+    measurements = [*FIXED, _measurement("triton-v-multiplier", "options", 16, 2e-6),
+                    _measurement("torch-gemm-fp8", "options", 16, 5e-6, does_op=False),
+                    _measurement("torch-materializer-fp8", "options", 16, 6e-6, does_op=False, gemm="torch-gemm-fp8")]
+    rows = {row.measurement.implementation: row for row in annotate(measurements, CEILING)}
+    materializers = next(section for section in SECTIONS if section.title.startswith("Materializers"))
+    assert OP_SECTION.takes(rows["triton-v-multiplier"].measurement)
+    assert not any(OP_SECTION.takes(rows[name].measurement) for name in ("torch-gemm-fp8", "torch-materializer-fp8"))
+    assert materializers.takes(rows["torch-materializer-fp8"].measurement)
+    # 4e6 bytes in 2 us against torch's copy at 5000 GB/s; the FP8 materializer over its own GEMM
+    assert (rows["triton-v-multiplier"].gbps, rows["triton-v-multiplier"].of_copy) == (2000, 0.4)
+    assert rows["torch-materializer-fp8"].over_gemm == pytest.approx(1.2)
+    assert rows["torch-gemm-fp8"].gbps is rows["torch-materializer-fp8"].gbps is None
+
+
 def test_host_rows_give_their_time_over_tritons_own_launch_and_their_speedup():
     rows = [row for row in annotate(FIXED, CEILING) if row.measurement.clock == "host"]
     table = {cells[0]: cells for cells in _table_rows(format_table(rows, HOST_COLUMNS))}
@@ -367,6 +384,22 @@ def test_selection_adds_what_each_row_is_read_against_and_skips_frameworks_witho
     assert [i.name for i in runnable] == ["jnp-jit-host"] and skipped == []
     with pytest.raises(ValueError, match=r"unknown implementations or kinds \['nope'\]"):
         select(["nope"], {"torch": "gpu"})
+
+
+def test_the_options_kind_runs_each_option_beside_the_plain_op_and_fp8_weights_beside_bf16_ones():
+    runnable, skipped = select(["options"], {"torch": "gpu", "jax": "gpu"})
+    options = [f"{kernel}-{option}" for kernel in ("triton", "pallas") for option in ("v-multiplier", "tables",
+                                                                                      "no-k-norm")]
+    fp8 = ["torch-gemm-fp8", "torch-materializer-fp8", "jax-gemm-fp8", "jax-materializer-fp8"]
+    assert [i.name for i in runnable] == ["triton", "pallas", "torch-copy", "xla-copy", "torch-gemm",
+                                          "torch-materializer", "jax-gemm", "jax-materializer", *options, *fp8]
+    assert skipped == []
+    assert {name: BY_NAME[name].gemm for name in fp8} == {
+        "torch-gemm-fp8": "", "torch-materializer-fp8": "torch-gemm-fp8", "jax-gemm-fp8": "",
+        "jax-materializer-fp8": "jax-gemm-fp8"}
+    # Each FP8 row alone brings its bf16 twin, and a materializer both GEMMs.
+    runnable, _ = select(["jax-materializer-fp8"], {"jax": "gpu"})
+    assert [i.name for i in runnable] == ["jax-gemm", "jax-materializer", "jax-gemm-fp8", "jax-materializer-fp8"]
 
 
 def test_every_materializer_row_names_its_frameworks_gemm_row():
@@ -699,6 +732,53 @@ def test_every_implementation_passes_its_check_on_small_inputs(implementation):
     else:
         assert prepared.check() == "ok"
     assert prepared.bytes_moved >= TINY.op_bytes(5, "bfloat16") or implementation.kind == "materializer"
+
+
+@pytest.mark.parametrize("option", ["v-multiplier", "tables", "no-k-norm"])
+def test_an_option_row_gives_its_option_to_the_op_and_its_check_fails_the_plain_ops_outputs(option):
+    torch = pytest.importorskip("torch")
+    jax = pytest.importorskip("jax")
+    from interop.bench import options
+    from interop.bench.rows import op_calls
+    from interop.bench.timers import chained_calls
+    from interop.bench.workload import Workload
+
+    workload = Workload(TINY, 5, "bfloat16", framework="torch", torch_device="cuda" if ON_GPU else "cpu",
+                        set_count=3)
+    plain = BY_NAME["triton"].prepare(workload)
+    plain_k, plain_v = (out.clone() for out in plain.call(0))
+    row = BY_NAME[f"triton-{option}"].prepare(workload)
+    k, v = row.call(0)
+    assert not (torch.equal(k, plain_k) and torch.equal(v, plain_v))
+    ignores_option = op_calls(workload, "torch", lambda *args, **keywords: (plain_k, plain_v), given_outputs=False,
+                              options=options.option_arguments(workload, "torch", option))
+    assert ignores_option.check().startswith("FAIL")
+    steps = BY_NAME[f"pallas-{option}"].prepare(workload)
+    plain_steps = BY_NAME["pallas"].prepare(workload)
+    run_chain = chained_calls(plain_steps.step, 1, len(plain_steps.varying))
+    plain_outputs, _ = run_chain(plain_steps.fixed, plain_steps.varying, plain_steps.new_outputs(),
+                                 jax.numpy.zeros(1))
+    assert plain_steps.check(plain_outputs, 0) == "ok" and steps.check(plain_outputs, 0).startswith("FAIL")
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_the_fp8_rows_run_the_workloads_weights_quantized_per_row(framework):
+    pytest.importorskip(framework)
+    from interop.bench import materializers
+    from interop.core.arrays import as_numpy
+    from interop.core.materializer import dequantized_weight
+
+    bf16 = materializers.host_layers(TINY, "bfloat16")
+    fp8 = materializers.host_layers(TINY, "bfloat16", fp8=True)
+    materializer = (materializers.torch_materializer(TINY, "bfloat16", "cuda" if ON_GPU else "cpu", fp8=True)
+                    if framework == "torch" else materializers.jax_materializer(TINY, "bfloat16", fp8=True))
+    assert materializer.config.fp8_weights
+    assert as_numpy(materializer.weight_scale).shape == (TINY.n_layers * 2 * TINY.config.kv_size,)
+    for quantized, layer in zip(fp8, bf16):
+        weight = as_numpy(layer.kv_proj_weight).astype(np.float32)
+        # e4m3 keeps 3 mantissa bits: each weight within 2**-4 of itself, plus the row's smallest step
+        assert np.all(np.abs(dequantized_weight(quantized) - weight)
+                      <= 2.0 ** -4 * np.abs(weight) + np.abs(weight).max(axis=1, keepdims=True) * 2.0 ** -15)
 
 
 TRAINING = ["triton-train", "torch-compile-train", "pallas-train", "jnp-jit-train"]

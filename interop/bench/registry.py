@@ -388,7 +388,7 @@ def select(words: list[str] | None, frameworks_on_gpu, *,
 
     ``words``: names and kinds (``None``: all); ``extra``: rows beyond the registry's (the
     sweep's), run after them. Each chosen row's :func:`companions` that can run are
-    added. Unknown words raise ``ValueError`` naming them.
+    added, and theirs in turn. Unknown words raise ``ValueError`` naming them.
     """
     if words is None:
         chosen = set(BY_NAME)
@@ -405,9 +405,14 @@ def select(words: list[str] | None, frameworks_on_gpu, *,
     def runs(implementation: Implementation) -> bool:
         return set(implementation.frameworks) <= set(frameworks_on_gpu)
 
-    for implementation in candidates:
-        if implementation.name in chosen and runs(implementation):
-            chosen.update(name for name in companions(implementation) if runs(BY_NAME[name]))
+    by_name = {implementation.name: implementation for implementation in candidates}
+    pending = sorted(chosen)
+    while pending:  # a companion's own companions too (an FP8 row's bf16 twin's GEMM)
+        implementation = by_name[pending.pop()]
+        if runs(implementation):
+            added = {name for name in companions(implementation) if name not in chosen and runs(BY_NAME[name])}
+            chosen |= added
+            pending += sorted(added)
     selected = [implementation for implementation in candidates if implementation.name in chosen]
     return ([implementation for implementation in selected if runs(implementation)],
             [implementation for implementation in selected if not runs(implementation)])
