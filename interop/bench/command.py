@@ -150,7 +150,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help=f"comma-separated implementations or kinds to run (default: all); kinds: "
                              f"{', '.join(KINDS)}; implementations: {', '.join(BY_NAME)}. What a row is read "
                              "against is always added: its framework's copy, a materializer's GEMM, "
-                             "Triton's own launch under host rows")
+                             "an option row's plain row, Triton's own launch under host rows")
     parser.add_argument("--host", action="store_true",
                         help="the host-cost table: every eager entry point's host wall per call against "
                              "Triton's own launch of the same compiled kernel (the host and interop rows; "
