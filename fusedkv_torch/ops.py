@@ -69,12 +69,8 @@ class PreparedCall:
         """The op on the arguments :func:`prepare_call` accepted: ``(k_out, v_out)``,
         allocated here where None."""
         call = self.call
-        if positions.device != kv.device:
-            positions = positions.to(kv.device, non_blocking=True)
-        if v_multiplier is not None:
-            v_multiplier = v_multiplier.to(kv.device)
-        if layer_rope_table is not None:
-            layer_rope_table = layer_rope_table.to(kv.device)
+        positions = _moved(positions, kv.device, non_blocking=True)
+        v_multiplier, layer_rope_table = _moved(v_multiplier, kv.device), _moved(layer_rope_table, kv.device)
         if check_positions and call.total_ctx:
             _check_positions_in_range(positions, call.max_position)
         if k_out is None:
@@ -98,12 +94,8 @@ class PreparedCall:
                               v_multiplier=None, layer_rope_table=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The op through its differentiable registered op (outputs with a ``grad_fn``), for a
         call whose ``kv``, ``k_norm_weight`` or ``v_multiplier`` requires grad."""
-        if positions.device != kv.device:
-            positions = positions.to(kv.device, non_blocking=True)
-        if v_multiplier is not None:
-            v_multiplier = v_multiplier.to(kv.device)
-        if layer_rope_table is not None:
-            layer_rope_table = layer_rope_table.to(kv.device)
+        positions = _moved(positions, kv.device, non_blocking=True)
+        v_multiplier, layer_rope_table = _moved(v_multiplier, kv.device), _moved(layer_rope_table, kv.device)
         if check_positions and self.call.total_ctx:
             _check_positions_in_range(positions, self.call.max_position)
         config = self.call.config
@@ -119,18 +111,10 @@ class PreparedCall:
         if call.total_ctx == 0 or call.n_layers == 0 or k_cache.shape[1] == 0:  # nothing to write
             return k_cache, v_cache
         device = kv.device
-        if positions.device != device:
-            positions = positions.to(device, non_blocking=True)
-        if cache_loc.device != device:
-            cache_loc = cache_loc.to(device, non_blocking=True)
-        if k_scale is not None:
-            k_scale = k_scale.to(device)
-        if v_scale is not None:
-            v_scale = v_scale.to(device)
-        if v_multiplier is not None:
-            v_multiplier = v_multiplier.to(device)
-        if layer_rope_table is not None:
-            layer_rope_table = layer_rope_table.to(device)
+        positions = _moved(positions, device, non_blocking=True)
+        cache_loc = _moved(cache_loc, device, non_blocking=True)
+        k_scale, v_scale = _moved(k_scale, device), _moved(v_scale, device)
+        v_multiplier, layer_rope_table = _moved(v_multiplier, device), _moved(layer_rope_table, device)
         if self.plan is None:
             config = call.config
             torch.ops.fusedkv.write_fused_kv_norm_rope_into_cache(
@@ -141,6 +125,14 @@ class PreparedCall:
             _launch(self.plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_cache, v_cache, cache_loc,
                     k_scale, v_scale, v_multiplier, layer_rope_table, self.compiled)
         return k_cache, v_cache
+
+
+def _moved(array: Optional[torch.Tensor], device: torch.device, *, non_blocking: bool = False):
+    """A call's small array (positions, slots, per-layer values) on ``kv``'s ``device``, where
+    the contract lets it come from any device; None and arrays already there stay as they are."""
+    if array is None or array.device == device:
+        return array
+    return array.to(device, non_blocking=non_blocking)
 
 
 class RefusedCall:
