@@ -22,26 +22,38 @@ TENSORS = {"kv_ptr": "*bf16", "k_norm_weight_ptr": "*fp32", "eps_ptr": "*fp32", 
            "layer_rope_table_ptr": "*i32"}
 
 
-def compile_form(given: set, gptj: bool, tail: int, table: str = "*fp32") -> None:
-    function = kernel._fused_kv_norm_rope_kernel
-    names = list(function.arg_names)
-    head_dim = 128
-    sizes = dict(N_LAYERS=5, NUM_HEADS=8, HEAD_DIM=head_dim, ROTARY_DIM=head_dim - tail, GPTJ=gptj, BLOCK_T=2,
-                 BLOCK_HEADS=4, PAIR_BLOCK=(head_dim - tail) // 2, TAIL_BLOCK=tail, HEAD_BLOCK=head_dim,
-                 DEPENDENT_LAUNCH=True)
+def _compile(function, present: dict, absent: set, sizes: dict) -> None:
+    """``function`` compiled for Hopper: ``present`` tensors of their types, ``absent`` ones None,
+    ``sizes`` constexprs, every other argument an i32."""
     signature, constants = {}, {}
-    for name in names:
-        absent = name in OPTIONAL and name not in given or name == "eps_ptr" and "k_norm_weight_ptr" not in given
-        if name in TENSORS and not absent:
-            quantized = name == "k_dest_ptr" and "k_scale_ptr" in given or name == "v_dest_ptr" and "v_scale_ptr" in given
-            signature[name] = "*fp8e4nv" if quantized else table if name == "cos_sin_ptr" else TENSORS[name]
-        elif name in TENSORS or name in sizes:
+    for index, name in enumerate(function.arg_names):
+        if name in present:
+            signature[name] = present[name]
+        elif name in absent or name in sizes:
             signature[name] = "constexpr"
-            constants[(names.index(name),)] = sizes.get(name)
+            constants[(index,)] = sizes.get(name)
         else:
             signature[name] = "i32"
     triton.compile(ASTSource(function, signature, constants), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4})
+
+
+def _sizes(gptj: bool, tail: int, **more) -> dict:
+    head_dim = 128
+    return dict(N_LAYERS=5, NUM_HEADS=8, HEAD_DIM=head_dim, ROTARY_DIM=head_dim - tail, GPTJ=gptj, BLOCK_T=2,
+                BLOCK_HEADS=4, PAIR_BLOCK=(head_dim - tail) // 2, TAIL_BLOCK=tail, HEAD_BLOCK=head_dim, **more)
+
+
+def compile_form(given: set, gptj: bool, tail: int, table: str = "*fp32") -> None:
+    absent = {name for name in OPTIONAL if name not in given}
+    if "k_norm_weight_ptr" not in given:
+        absent.add("eps_ptr")
+    present = {name: dtype for name, dtype in TENSORS.items() if name not in absent}
+    present["cos_sin_ptr"] = table
+    for scale, destination in (("k_scale_ptr", "k_dest_ptr"), ("v_scale_ptr", "v_dest_ptr")):
+        if scale in given:  # a scale comes with an fp8 cache
+            present[destination] = "*fp8e4nv"
+    _compile(kernel._fused_kv_norm_rope_kernel, present, absent, _sizes(gptj, tail, DEPENDENT_LAUNCH=True))
 
 
 BACKWARD_OPTIONAL = ("k_norm_weight_ptr", "v_multiplier_ptr", "layer_rope_table_ptr")
@@ -55,24 +67,10 @@ PARTIALS_OF = {"weight_partials_ptr": "k_norm_weight_ptr", "eps_ptr": "k_norm_we
 
 
 def compile_backward_form(given: set, gptj: bool, tail: int) -> None:
-    function = backward._fused_kv_norm_rope_backward_kernel
-    names = list(function.arg_names)
-    head_dim = 128
-    sizes = dict(N_LAYERS=5, NUM_HEADS=8, HEAD_DIM=head_dim, ROTARY_DIM=head_dim - tail, GPTJ=gptj, BLOCK_T=2,
-                 BLOCK_HEADS=4, PAIR_BLOCK=(head_dim - tail) // 2, TAIL_BLOCK=tail, HEAD_BLOCK=head_dim)
-    signature, constants = {}, {}
-    for name in names:
-        owner = PARTIALS_OF.get(name, name)
-        absent = owner in BACKWARD_OPTIONAL and owner not in given
-        if name in BACKWARD_TENSORS and not absent:
-            signature[name] = BACKWARD_TENSORS[name]
-        elif name in BACKWARD_TENSORS or name in sizes:
-            signature[name] = "constexpr"
-            constants[(names.index(name),)] = sizes.get(name)
-        else:
-            signature[name] = "i32"
-    triton.compile(ASTSource(function, signature, constants), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": 4})
+    absent = {name for name in BACKWARD_TENSORS
+              if PARTIALS_OF.get(name, name) in BACKWARD_OPTIONAL and PARTIALS_OF.get(name, name) not in given}
+    present = {name: dtype for name, dtype in BACKWARD_TENSORS.items() if name not in absent}
+    _compile(backward._fused_kv_norm_rope_backward_kernel, present, absent, _sizes(gptj, tail))
 
 
 def main() -> int:
