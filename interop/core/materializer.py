@@ -24,7 +24,6 @@ import numpy as np
 
 from interop.core.arrays import as_numpy, numpy_dtype
 from interop.core.reference import (
-    fused_kv_norm_rope_into_cache_reference,
     fused_kv_norm_rope_reference,
     rope_cos_sin_cache,
 )
