@@ -14,7 +14,8 @@ its partial sums of the weight's and the multiplier's gradients to a row of its 
 summed by jnp after the kernel: deterministic, unlike atomics. ``eps``, ``cos_sin_cache``,
 ``positions`` and given ``k_out``/``v_out`` (overwritten whole) get zero cotangents.
 
-The backward runs on the forward's tiles, K loaded as whole rows and again at permuted
+The backward runs on the forward's tiles (over half the forward's threads: each holds 16
+elements of a tile, the fastest in a sweep of tiles on the H200), K loaded as whole rows and again at permuted
 columns for each element's RoPE partner (the forward's :class:`~fusedkv_jax.kernel._KRows`),
 in every form. Under a jit sharded by XLA its one ``pallas_call`` is not partitioned
 (inside ``jax.shard_map`` each device runs it on its own tokens).
@@ -113,6 +114,17 @@ def _backward_kernel(kv_ref, cos_sin_ref, positions_ref, grad_k_ref, grad_v_ref,
                mask=dims_ok)
 
 
+_ELEMENTS_PER_THREAD = 16
+
+
+def backward_num_warps(block_tokens: int, block_heads: int, head_dim: int) -> int:
+    """The warps of the backward on a ``[block_tokens, block_heads, head_dim]`` tile: 16 of its
+    elements a thread. A thread of the backward reads K and its gradient and keeps both, so
+    it takes more elements than the forward's."""
+    elements = block_tokens * block_heads * pl.next_power_of_2(head_dim)
+    return max(1, min(8, elements // (32 * _ELEMENTS_PER_THREAD)))
+
+
 def _pallas_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, grad_k, grad_v,
                      layer_rope_table=None, *, config: FusedKVConfig, block_tokens: int, block_heads: int,
                      num_warps: int, interpret: bool):
@@ -164,7 +176,9 @@ def _backward(options, residuals, cotangents):
     grad_kv, grad_weight, grad_multiplier = _pallas_backward(
         kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, grad_k.astype(kv.dtype),
         grad_v.astype(kv.dtype), layer_rope_table, config=options["config"], block_tokens=options["block_tokens"],
-        block_heads=options["block_heads"], num_warps=options["num_warps"], interpret=options["interpret"])
+        block_heads=options["block_heads"],
+        num_warps=backward_num_warps(options["block_tokens"], options["block_heads"], options["config"].head_dim),
+        interpret=options["interpret"])
     # None: a zero cotangent (eps, the tables, positions, outputs the forward overwrote whole, the tables' index).
     return grad_kv, grad_weight, None, None, None, None, None, grad_multiplier, None
 

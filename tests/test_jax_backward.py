@@ -170,3 +170,10 @@ def test_jax_gradients_with_per_layer_tables_match_the_reference_backward(config
             assert got_grad is None, name
         else:
             assert_grad_close(got_grad, expected_grad, "float32", name)
+
+
+@pytest.mark.parametrize("tile, head_dim, warps", [((1, 8), 128, 2), ((1, 1), 64, 1), ((2, 4), 96, 2),
+                                                   ((16, 8), 256, 8), ((4, 8), 128, 8)])
+def test_jax_backward_gives_each_thread_16_elements_of_the_forwards_tile(tile, head_dim, warps):
+    from fusedkv_jax.backward import backward_num_warps
+    assert backward_num_warps(*tile, head_dim) == warps
