@@ -345,8 +345,8 @@ def _fused_kv_norm_rope_kernel(
 
 
 
-def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *,
-                 interpret: bool = False) -> tuple[int, int, int]:
+def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: int = 1,
+                 multiprocessors: Optional[int] = None, interpret: bool = False) -> tuple[int, int, int]:
     """``(block_tokens, block_heads, num_warps)`` for a call of this size.
 
     Three regimes, each the fastest tile of its sizes under graph replay beside a copy
@@ -354,7 +354,10 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *,
     tokens, whose loads all start at once; otherwise, and for long contexts, tiles of
     about 8 head rows: one token of 8 heads, two of 4, and so on (16 elements of K and 16
     of V per thread); around 256 tokens, four times the tokens of those tiles (four
-    tokens of 8 heads, eight of 4).
+    tokens of 8 heads, eight of 4). Outside short contexts a tile takes fewer tokens (halved
+    in turn) while the call's programs, over all ``n_layers``, would not give every
+    multiprocessor one (``multiprocessors``: the current GPU's where None): an idle
+    multiprocessor is bandwidth left unused.
 
     ``interpret`` (``TRITON_INTERPRET=1``): few, large programs instead, of as many
     tokens as fit ``interop.core.tiles.INTERPRETED_TILE_ELEMENTS``.
@@ -367,8 +370,18 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *,
     block_heads = min(8, num_kv_heads & -num_kv_heads)  # the largest power of two dividing the heads
     four_token_tiles = _FOUR_TOKEN_TILES[0] <= total_ctx < _FOUR_TOKEN_TILES[1]
     block_tokens = max(1, 8 // block_heads) * (4 if four_token_tiles else 1)
+    multiprocessors = _multiprocessors() if multiprocessors is None else multiprocessors
+    while block_tokens > 1 and -(-total_ctx // block_tokens) * n_layers * (num_kv_heads // block_heads) \
+            < multiprocessors:
+        block_tokens //= 2
     num_warps = max(1, min(8, block_tokens * block_heads * next_power_of_2(head_dim) // 512))
     return block_tokens, block_heads, num_warps
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors() -> int:
+    """The current GPU's multiprocessors (132 on an H200; 1 without a GPU, where no tile runs compiled)."""
+    return torch.cuda.get_device_properties().multi_processor_count if torch.cuda.is_available() else 1
 
 
 # Token counts where the tile regimes of default_tile change, each where the next
@@ -382,7 +395,7 @@ def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, block_tokens: Op
           num_warps: Optional[int], dependent_launch: bool) -> tuple[int, tuple, int, bool]:
     """``(grid, constexpr values in kernel order, num_warps, dependent_launch)`` of a launch."""
     default_block, default_heads, default_warps = default_tile(
-        total_ctx, config.num_kv_heads, config.head_dim, interpret=_launcher.interpreted)
+        total_ctx, config.num_kv_heads, config.head_dim, n_layers=n_layers, interpret=_launcher.interpreted)
     block_tokens = block_tokens or default_block
     block_heads = block_heads or default_heads
     if config.num_kv_heads % block_heads or block_heads & (block_heads - 1):

@@ -76,7 +76,8 @@ def test_decode_and_mid_size_contexts_on_their_default_tiles(total_ctx, tile):
     # The GPU's tiles, launched by name: interpreted, a call's default is a few large tiles.
     # One layer: layers are a grid axis of their own, and the interpreter pays per program.
     config = FusedKVConfig(4, 64, 64, "gptj")
-    block_tokens, block_heads, num_warps = kernel_module.default_tile(total_ctx, 4, 64)
+    block_tokens, block_heads, num_warps = kernel_module.default_tile(total_ctx, 4, 64, n_layers=5,
+                                                                      multiprocessors=132)
     assert (block_tokens, block_heads) == tile
     inputs = random_inputs(config, n_layers=1, total_ctx=total_ctx, max_position=512, seed=4)
     kv, *rest = on_device(inputs)
@@ -84,6 +85,16 @@ def test_decode_and_mid_size_contexts_on_their_default_tiles(total_ctx, tile):
     launch(kv, *rest, k, v, config=config, block_tokens=block_tokens,
            block_heads=block_heads, num_warps=num_warps)
     assert_matches_reference(inputs, config, k, v)
+
+
+@pytest.mark.parametrize("total_ctx, heads, n_layers, tile", [
+    (256, 2, 3, (4, 2, 2)),    # 16-token tiles would give 48 programs: halved twice to 192
+    (1024, 1, 1, (4, 1, 1)),   # 8-token tiles would give 128 programs: halved once to 256
+    (256, 8, 5, (4, 8, 8)),    # 320 programs: the tile of its regime
+    (4096, 2, 3, (4, 2, 2)),
+])
+def test_a_call_with_fewer_programs_than_multiprocessors_takes_smaller_tiles(total_ctx, heads, n_layers, tile):
+    assert kernel_module.default_tile(total_ctx, heads, 128, n_layers=n_layers, multiprocessors=132) == tile
 
 
 def test_long_ragged_context_of_one_head_takes_multi_token_tiles():
