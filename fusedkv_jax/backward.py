@@ -117,12 +117,13 @@ def _backward_kernel(kv_ref, cos_sin_ref, positions_ref, grad_k_ref, grad_v_ref,
 _ELEMENTS_PER_THREAD = 16
 
 
-def backward_num_warps(block_tokens: int, block_heads: int, head_dim: int) -> int:
-    """The warps of the backward on a ``[block_tokens, block_heads, head_dim]`` tile: 16 of its
-    elements a thread. A thread of the backward reads K and its gradient and keeps both, so
-    it takes more elements than the forward's."""
+def backward_tile(block_tokens: int, block_heads: int, head_dim: int) -> tuple[int, int, int]:
+    """``(block_tokens, block_heads, num_warps)`` of the backward of a call whose forward ran on
+    ``block_tokens x block_heads`` tiles: those tiles, over threads holding 16 of their elements
+    each. A thread of the backward reads K and its gradient and keeps both, so it takes more
+    elements than the forward's."""
     elements = block_tokens * block_heads * pl.next_power_of_2(head_dim)
-    return max(1, min(8, elements // (32 * _ELEMENTS_PER_THREAD)))
+    return block_tokens, block_heads, max(1, min(8, elements // (32 * _ELEMENTS_PER_THREAD)))
 
 
 def _pallas_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, grad_k, grad_v,
@@ -173,12 +174,12 @@ def _backward(options, residuals, cotangents):
     kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table = residuals
     grad_k, grad_v = cotangents
     options = dict(options)
+    block_tokens, block_heads, num_warps = backward_tile(
+        options["block_tokens"], options["block_heads"], options["config"].head_dim)
     grad_kv, grad_weight, grad_multiplier = _pallas_backward(
         kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, grad_k.astype(kv.dtype),
-        grad_v.astype(kv.dtype), layer_rope_table, config=options["config"], block_tokens=options["block_tokens"],
-        block_heads=options["block_heads"],
-        num_warps=backward_num_warps(options["block_tokens"], options["block_heads"], options["config"].head_dim),
-        interpret=options["interpret"])
+        grad_v.astype(kv.dtype), layer_rope_table, config=options["config"], block_tokens=block_tokens,
+        block_heads=block_heads, num_warps=num_warps, interpret=options["interpret"])
     # None: a zero cotangent (eps, the tables, positions, outputs the forward overwrote whole, the tables' index).
     return grad_kv, grad_weight, None, None, None, None, None, grad_multiplier, None
 

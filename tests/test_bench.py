@@ -1388,3 +1388,28 @@ def test_from_json_refuses_paths_that_are_not_files(tmp_path, capsys):
     assert exit_info.value.code == 2
     assert f"expected comma-separated bench.json files; not a file: {tmp_path / 'none.json'}" in (
         capsys.readouterr().err)
+
+
+def test_the_pallas_backward_row_launches_the_tile_that_jax_grad_takes(monkeypatch):
+    jax = pytest.importorskip("jax")
+    import fusedkv_jax
+    from fusedkv_jax import backward
+    from interop.bench.workload import Workload
+
+    launched = []
+    original = backward._pallas_backward
+
+    def recording(*args, **kwargs):
+        launched.append((kwargs["block_tokens"], kwargs["block_heads"], kwargs["num_warps"]))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(backward, "_pallas_backward", recording)
+    workload = Workload(TINY, 5, "bfloat16", framework="jax", set_count=2)
+    row = BY_NAME["pallas-bwd"].prepare(workload)
+    jax.make_jaxpr(row.step)(row.fixed, row.varying[0], row.new_outputs())
+    weight, eps, cos_sin = row.fixed
+    kv, positions, grad_k, grad_v = row.varying[0]
+    op = functools.partial(fusedkv_jax.fused_kv_norm_rope, **workload.shape.static())
+    _, vjp = jax.vjp(lambda kv: op(kv, weight, eps, cos_sin, positions), kv)
+    vjp((grad_k, grad_v))
+    assert len(launched) == 2 and launched[0] == launched[1]

@@ -174,6 +174,6 @@ def test_jax_gradients_with_per_layer_tables_match_the_reference_backward(config
 
 @pytest.mark.parametrize("tile, head_dim, warps", [((1, 8), 128, 2), ((1, 1), 64, 1), ((2, 4), 96, 2),
                                                    ((16, 8), 256, 8), ((4, 8), 128, 8)])
-def test_jax_backward_gives_each_thread_16_elements_of_the_forwards_tile(tile, head_dim, warps):
-    from fusedkv_jax.backward import backward_num_warps
-    assert backward_num_warps(*tile, head_dim) == warps
+def test_jax_backward_keeps_the_forwards_tile_with_16_elements_a_thread(tile, head_dim, warps):
+    from fusedkv_jax.backward import backward_tile
+    assert backward_tile(*tile, head_dim) == (*tile, warps)

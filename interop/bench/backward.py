@@ -84,13 +84,15 @@ def pallas_backward(workload: Workload) -> Steps:
     call = CallShape(workload.shape.config, workload.total_ctx, workload.shape.n_layers, int(fixed[2].shape[0]))
     options = kernel._launch_options(call, kv, None, None, None, None)
     interpret = options["interpret"]
+    # The tile jax.grad's backward takes, from the forward's.
+    block_tokens, block_heads, num_warps = backward.backward_tile(
+        options["block_tokens"], options["block_heads"], workload.shape.config.head_dim)
 
     def step(fixed, varying, outputs):
         kv, positions, grad_k, grad_v = varying
         return backward._pallas_backward(
             kv, fixed[0], fixed[1], fixed[2], positions, None, grad_k, grad_v, config=options["config"],
-            block_tokens=options["block_tokens"], block_heads=options["block_heads"],
-            num_warps=options["num_warps"], interpret=interpret)[:2]
+            block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps, interpret=interpret)[:2]
 
     def new_outputs():
         return jnp.zeros(kv.shape, kv.dtype), jnp.zeros(fixed[0].shape, fixed[0].dtype)
