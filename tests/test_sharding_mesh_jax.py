@@ -32,8 +32,9 @@ from interop.core.arrays import numpy_dtype
 from interop.core.materializer import stacked_op_arrays
 from interop.testing import random_case
 from interop.core.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
+from interop.core.reference_backward import fused_kv_norm_rope_backward_reference
 from interop.core.spec import FusedKVConfig
-from interop.testing import END_TO_END_TOLERANCE, assert_bit_exact, assert_close, random_inputs
+from interop.testing import END_TO_END_TOLERANCE, assert_bit_exact, assert_close, gradient_mismatch, random_inputs
 
 pytestmark = pytest.mark.skipif(
     jax.device_count() < 4,
@@ -226,6 +227,40 @@ def test_shard_map_over_heads_into_caches_split_by_heads():
     assert_close(k, k_expected, name="k_cache")
     assert_bit_exact(v, v_expected, name="v_cache")
 
+
+
+def test_grad_inside_shard_map_over_tokens_matches_the_reference_backward():
+    # A data-parallel training step: each device differentiates the op on its tokens, and
+    # the weight's gradient is the sum of the devices' (psum), as over the whole context.
+    kv, weight, eps, cos_sin, positions = _inputs(total_ctx=8, seed=8)
+    rng = np.random.default_rng(9)
+    grad_k, grad_v = (rng.standard_normal((2, 8, OP.num_kv_heads, OP.head_dim)).astype(np.float32) for _ in range(2))
+    mesh = _mesh((4,), ("x",), "explicit")
+
+    def grads(kv, positions, grad_k, grad_v, weight, eps, cos_sin):
+        def loss(kv, weight):
+            k, v = fused_kv_norm_rope(kv, weight, eps, cos_sin, positions, **_static(OP))
+            return jnp.sum(k * grad_k) + jnp.sum(v * grad_v)
+        return jax.grad(loss, argnums=(0, 1))(kv, weight)
+
+    def local(*args):
+        grad_kv, grad_weight = grads(*args)
+        return grad_kv, jax.lax.psum(grad_weight, "x")
+
+    by_tokens, of_outputs, whole = P("x"), P(None, "x"), P()
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(by_tokens, by_tokens, of_outputs, of_outputs,
+                                                             whole, whole, whole),
+                                 out_specs=(by_tokens, whole), check_vma=False))
+    grad_kv, grad_weight = step(_put(mesh, kv, "x"), _put(mesh, positions, "x"), _put(mesh, grad_k, None, "x"),
+                                _put(mesh, grad_v, None, "x"), weight, eps, cos_sin)
+    expected_kv, expected_weight, _ = fused_kv_norm_rope_backward_reference(
+        kv, weight, eps, cos_sin, positions, grad_k, grad_v, **_static(OP))
+    _assert_split(grad_kv, mesh, "x")
+    whole_kv, _ = jax.jit(grads)(kv, positions, grad_k, grad_v, weight, eps, cos_sin)
+    assert_bit_exact(grad_kv, whole_kv, name="grad_kv against the unsharded gradient")
+    for name, got, expected in (("grad_kv", grad_kv, expected_kv), ("grad_k_norm_weight", grad_weight, expected_weight)):
+        mismatch = gradient_mismatch(got, expected, str(kv.dtype), name=name)
+        assert not mismatch, mismatch
 
 @pytest.mark.parametrize("cache", [False, True], ids=["op", "into_cache"])
 def test_shard_map_with_default_settings_lowers_for_the_gpu(cache):
