@@ -670,7 +670,10 @@ def fused_kv_norm_rope(
         layer an all-NaN K. The Triton lowering only.
 
     Returns:
-      ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim].
+      ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim]. On the
+      Triton lowering they differentiate (``jax.grad``, ``jax.vjp``: the Pallas backward kernel,
+      :mod:`fusedkv_jax.backward`) with respect to ``kv``, ``k_norm_weight`` and ``v_multiplier``;
+      ``eps``, ``cos_sin_cache``, ``positions`` and given ``k_out``/``v_out`` get zero cotangents.
 
     Usable inside ``jax.jit`` (the configuration is static) and under ``jax.vmap``.
     """
