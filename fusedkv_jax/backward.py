@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from fusedkv_jax import mosaic_kernel
 from fusedkv_jax.kernel import (
     _KRows,
     _head_rows,
@@ -185,3 +186,25 @@ def _backward(options, residuals, cotangents):
 
 
 differentiable_launch.defvjp(_forward, _backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def differentiable_mosaic_launch(options: tuple, kv, k_norm_weight, eps, cos_sin_cache, positions):
+    """:func:`fusedkv_jax.mosaic_kernel.launch`, differentiable: its backward is this module's
+    kernel (Mosaic GPU has none), on the tile the Triton lowering's forward would take."""
+    options = dict(options)
+    return tuple(mosaic_kernel.launch(kv, k_norm_weight, eps, cos_sin_cache, positions, config=options["config"],
+                                      interpret=options["interpret"]))
+
+
+def _mosaic_forward(options, kv, k_norm_weight, eps, cos_sin_cache, positions):
+    outputs = differentiable_mosaic_launch(options, kv, k_norm_weight, eps, cos_sin_cache, positions)
+    return outputs, (kv, k_norm_weight, eps, cos_sin_cache, positions, None, None)
+
+
+def _mosaic_backward(options, residuals, cotangents):
+    # The plain call's gradients: kv's, the weight's, and zero cotangents for eps, the table, positions.
+    return _backward(options, residuals, cotangents)[:5]
+
+
+differentiable_mosaic_launch.defvjp(_mosaic_forward, _mosaic_backward)

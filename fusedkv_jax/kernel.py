@@ -670,9 +670,10 @@ def fused_kv_norm_rope(
         layer an all-NaN K. The Triton lowering only.
 
     Returns:
-      ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim]. On the
-      Triton lowering they differentiate (``jax.grad``, ``jax.vjp``: the Pallas backward kernel,
-      :mod:`fusedkv_jax.backward`) with respect to ``kv``, ``k_norm_weight`` and ``v_multiplier``;
+      ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim]. They
+      differentiate (``jax.grad``, ``jax.vjp``: the Pallas backward kernel on its Triton lowering,
+      :mod:`fusedkv_jax.backward`, after either lowering's forward) with respect to ``kv``,
+      ``k_norm_weight`` and ``v_multiplier``;
       ``eps``, ``cos_sin_cache``, ``positions`` and given ``k_out``/``v_out`` get zero cotangents.
 
     Usable inside ``jax.jit`` (the configuration is static) and under ``jax.vmap``.
@@ -727,10 +728,10 @@ def fused_kv_norm_rope_accepted(accepted: AcceptedCall, kv, k_norm_weight, eps, 
         empty = jnp.empty(call.output_shape, kv.dtype)
         return (empty if k_out is None else k_out), (empty if v_out is None else v_out)
     positions = narrow_for_jax(positions)
-    if lowering == "mosaic_gpu":
-        return mosaic_kernel.launch(kv, k_norm_weight, eps, cos_sin_cache, positions,
-                                    config=call.config, interpret=options["interpret"])
     # Differentiable (jax.grad, jax.vjp): fusedkv_jax.backward's custom_vjp around the same launch.
+    if lowering == "mosaic_gpu":
+        return backward.differentiable_mosaic_launch(tuple(options.items()), kv, k_norm_weight, eps, cos_sin_cache,
+                                                     positions)
     return backward.differentiable_launch(tuple(options.items()), kv, k_norm_weight, eps, cos_sin_cache, positions,
                                           k_out, v_out, v_multiplier, layer_rope_table)
 

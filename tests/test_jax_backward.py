@@ -177,3 +177,23 @@ def test_jax_gradients_with_per_layer_tables_match_the_reference_backward(config
 def test_jax_backward_keeps_the_forwards_tile_with_16_elements_a_thread(tile, head_dim, warps):
     from fusedkv_jax.backward import backward_tile
     assert backward_tile(*tile, head_dim) == (*tile, warps)
+
+
+def test_jax_gradients_after_the_mosaic_lowerings_forward_are_the_triton_lowerings():
+    # Mosaic GPU has no backward kernel: the Triton lowering's runs after either forward.
+    config = FusedKVConfig(1, 32, 32, "neox")
+    (kv, weight, eps, cache, positions), grads, _ = _inputs(config, dtype="bfloat16", n_layers=2, total_ctx=64,
+                                                            seed=14)
+
+    def gradients(lowering):
+        def op(kv, weight):
+            return fusedkv_jax.fused_kv_norm_rope(kv, weight, eps, cache, positions, **_static(config),
+                                                  lowering=lowering)
+        _, vjp = jax.vjp(op, jnp.asarray(kv), jnp.asarray(weight))
+        return vjp(tuple(jnp.asarray(g) for g in grads))
+
+    mosaic, triton = gradients("mosaic_gpu"), gradients("triton")
+    expected = fused_kv_norm_rope_backward_reference(kv, weight, eps, cache, positions, *grads, **_static(config))
+    for name, got, same, want in zip(("grad_kv", "grad_k_norm_weight"), mosaic, triton, expected):
+        assert_bit_exact(got, same, name=name)
+        assert_grad_close(got, want, "bfloat16", name)
