@@ -19,7 +19,8 @@ import interop  # noqa: E402
 from interop import dispatch  # noqa: E402
 from interop.command import check as check_command  # noqa: E402
 from interop.command import cli  # noqa: E402
-from interop.command.backends import gpu_framework, place_inputs, run_backend, triton_interpreted  # noqa: E402
+from interop.command.backends import (gpu_framework, place_inputs, run_backend, run_backend_gradients,  # noqa: E402
+                                      triton_interpreted)
 from interop.command.check import CheckOptions, run_check  # noqa: E402
 from interop.core.arrays import as_numpy as host  # noqa: E402
 from interop.core.reference import rope_cos_sin_cache  # noqa: E402
@@ -140,7 +141,9 @@ def test_the_interpreted_estimate_grows_with_every_size(field, larger):
 @pytest.mark.parametrize("options", [
     CheckOptions(n_layers=100, num_kv_heads=1, head_dim=16, rotary_dim=16, total_ctx=1),
     CheckOptions(total_ctx=512),
-], ids=["many-layers-of-one-token", "many-tokens"])
+    CheckOptions(n_layers=100, num_kv_heads=1, head_dim=16, rotary_dim=16, total_ctx=1, grad=True),
+    CheckOptions(total_ctx=512, grad=True),
+], ids=["many-layers-of-one-token", "many-tokens", "gradients-of-many-layers", "gradients-of-many-tokens"])
 def test_the_interpreted_estimate_is_within_a_factor_of_two_of_the_check(options):
     estimate = options.interpreted_seconds()  # first, as the command makes it: imports aside
     start = time.perf_counter()
@@ -305,7 +308,7 @@ def test_json_names_each_option_as_its_flag(capsys):
     assert set(options) == flags
     assert options == {"layers": 2, "heads": 2, "head_dim": 32, "rotary_dim": 32, "rope_style": "neox",
                        "dtype": "bfloat16", "table_dtype": "float32", "tables": 1, "no_k_norm": False,
-                       "v_multiplier": False, "tokens": 5, "max_position": 32768, "seed": 0,
+                       "v_multiplier": False, "grad": False, "tokens": 5, "max_position": 32768, "seed": 0,
                        "backends": ["jax"]}
 
 
@@ -405,3 +408,54 @@ def test_check_with_its_defaults_compares_every_backend_and_pair(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 + len(ROWS) + 1 and lines[-1] == "ALL PASS"
     assert [line.split()[0] for line in lines[2:-1]] == ["reference", "torch", "jax", "torch"]
+
+
+# --- --grad: the gradients of every backend -------------------------------------------------
+
+
+@pytest.mark.parametrize("argv, gradients", [
+    ([], ["grad_kv", "grad_k_norm_weight"]),
+    (["--v-multiplier", "--tables", "2", "--rope-style", "gptj", "--rotary-dim", "16"],
+     ["grad_kv", "grad_k_norm_weight", "grad_v_multiplier"]),
+    (["--no-k-norm", "--dtype", "float32"], ["grad_kv"]),
+], ids=["plain", "multiplier-and-tables", "no-k-norm"])
+def test_check_with_grad_compares_every_backends_gradients_with_the_reference_and_each_other(argv, gradients,
+                                                                                            capsys):
+    assert cli.main(["check", *SMALL, "--grad", *argv]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "ALL PASS"
+    gradient_lines = lines[lines.index(check_command.gradient_header()) + 1:-1]
+    assert [line.split()[0] for line in gradient_lines] == ["reference", "torch", "jax", "torch"]
+    assert all(", ".join(gradients) in line for line in gradient_lines)
+    assert cli.main(["check", *SMALL, "--grad", *argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and report["options"]["grad"] is True
+    assert {(row["subject"], row["against"]) for row in report["gradient_rows"]} == ROWS
+    assert all(row["gradients"] == gradients for row in report["gradient_rows"])
+
+
+def test_check_without_grad_runs_no_gradients(capsys):
+    assert cli.main(["check", *SMALL, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["gradient_rows"] == []
+
+
+@pytest.mark.parametrize("corruption", ["scaled weight gradient", "missing multiplier gradient"])
+def test_a_backend_with_wrong_gradients_is_found_to_disagree(corruption):
+    options = CheckOptions(n_layers=2, num_kv_heads=2, head_dim=16, rotary_dim=16, total_ctx=3,
+                           max_position=64, v_multiplier=True, grad=True)
+
+    def corrupted(name, placed, cotangents, config):
+        run = run_backend_gradients(name, placed, cotangents, config)
+        grads = dict(run.grads)
+        if corruption == "scaled weight gradient":
+            grads["grad_k_norm_weight"] = grads["grad_k_norm_weight"] * 1.1
+        else:
+            del grads["grad_v_multiplier"]
+        return dataclasses.replace(run, grads=grads)
+
+    report = run_check(options, gradient_runners={"torch": run_backend_gradients, "jax": corrupted})
+    assert not report.ok and all(row.ok is not False for row in report.rows)  # the forward agrees
+    failed = {(row.subject, row.against): row for row in report.gradient_rows if row.ok is False}
+    assert set(failed) == {("jax", "reference"), ("torch", "jax")}
+    shown = "jax grad_k_norm_weight" if corruption == "scaled weight gradient" else "no grad_v_multiplier"
+    assert shown in failed[("jax", "reference")].detail

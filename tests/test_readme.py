@@ -17,7 +17,7 @@ pytest.importorskip("torch")
 pytest.importorskip("jax")
 
 from interop.command import cli  # noqa: E402
-from interop.command.check import header  # noqa: E402
+from interop.command.check import gradient_header, header  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -123,6 +123,7 @@ def test_command_line_is_accepted(argv, capsys):
         cli._check_options(commands["check"], args)
 
 
-def test_sample_output_has_the_tables_columns():
-    (_, sample), = _blocks("text")
-    assert sample.splitlines()[1] == header()
+def test_sample_outputs_have_the_tables_columns():
+    (_, forward), (_, gradients) = _blocks("text")
+    assert forward.splitlines()[1] == header()
+    assert gradients.splitlines()[0] == gradient_header()

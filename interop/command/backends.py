@@ -154,3 +154,58 @@ def run_backend(name: str, placed: tuple, config: FusedKVConfig) -> BackendRun:
     k, v = call()
     second = time.perf_counter()
     return BackendRun(name, platform(name).device, as_numpy(k), as_numpy(v), first - start, second - first)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientRun:
+    """A backend's gradients: ``grad_kv``, then ``grad_k_norm_weight`` and ``grad_v_multiplier``
+    where the call has a K-norm, a multiplier (the names of :data:`GRADIENT_NAMES`)."""
+
+    name: str
+    device: str
+    grads: dict
+
+
+GRADIENT_NAMES = ("grad_kv", "grad_k_norm_weight", "grad_v_multiplier")
+
+
+def run_backend_gradients(name: str, placed: tuple, cotangents: tuple, config: FusedKVConfig) -> GradientRun:
+    """Backend ``name``'s gradients of its op on ``placed`` (as :func:`run_backend`'s) for the
+    outputs' cotangents ``(grad_k, grad_v)``: torch's autograd through
+    ``fusedkv_torch.fused_kv_norm_rope``, ``jax.vjp`` of ``fusedkv_jax.fused_kv_norm_rope``."""
+    try:
+        registry.load_backend(name)
+    except ImportError as error:
+        raise BackendUnavailable(f"{name} backend not installed ({error})") from error
+    static = dict(num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, rotary_dim=config.rotary_dim,
+                  rope_style=config.rope_style)
+    kv, k_norm_weight, eps, table, positions, v_multiplier, layer_rope_table = placed
+    # The differentiated inputs, by gradient name: kv always, the weight and the multiplier where given.
+    wrt = {grad: array for grad, array in zip(GRADIENT_NAMES, (kv, k_norm_weight, v_multiplier)) if array is not None}
+    if name == "torch":
+        import torch
+
+        import fusedkv_torch
+
+        tensors = {grad: to_torch(array).detach().requires_grad_() for grad, array in wrt.items()}
+        rest = [None if a is None else to_torch(a) for a in (eps, table, positions, layer_rope_table)]
+        k, v = fusedkv_torch.fused_kv_norm_rope(
+            tensors["grad_kv"], tensors.get("grad_k_norm_weight"), rest[0], rest[1], rest[2], **static,
+            v_multiplier=tensors.get("grad_v_multiplier"), layer_rope_table=rest[3])
+        grads = torch.autograd.grad((k, v), list(tensors.values()), [to_torch(g) for g in cotangents])
+    else:
+        import jax
+
+        import fusedkv_jax
+
+        rest = [None if a is None else to_jax(a) for a in (eps, table, positions, layer_rope_table)]
+
+        def op(differentiated):
+            return fusedkv_jax.fused_kv_norm_rope(
+                differentiated["grad_kv"], differentiated.get("grad_k_norm_weight"), rest[0], rest[1], rest[2],
+                **static, v_multiplier=differentiated.get("grad_v_multiplier"), layer_rope_table=rest[3])
+
+        _, vjp = jax.vjp(op, {grad: to_jax(array) for grad, array in wrt.items()})
+        by_name, = vjp(tuple(to_jax(g) for g in cotangents))
+        grads = [by_name[grad] for grad in wrt]
+    return GradientRun(name, platform(name).device, {grad: as_numpy(g) for grad, g in zip(wrt, grads)})

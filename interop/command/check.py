@@ -10,12 +10,13 @@ from typing import Callable
 
 import numpy as np
 
-from interop.command.backends import (BackendUnavailable, gpu_framework, place_inputs, run_backend,
-                                      triton_interpreted)
+from interop.command.backends import (GRADIENT_NAMES, BackendUnavailable, gpu_framework, place_inputs,
+                                      run_backend, run_backend_gradients, triton_interpreted)
 from interop.registry import BACKENDS, backend_installed
 from interop.core.reference import fused_kv_norm_rope_reference, rope_cos_sin_cache
+from interop.core.reference_backward import fused_kv_norm_rope_backward_reference
 from interop.core.spec import FusedKVConfig
-from interop.testing import bit_mismatches, compare, random_inputs
+from interop.testing import bit_mismatches, compare, gradient_mismatch, random_inputs
 
 DEFAULT_TOKENS_GPU = 4096
 DEFAULT_TOKENS_CPU = 16
@@ -72,6 +73,7 @@ class CheckOptions:
     tables: int = 1
     k_norm: bool = True
     v_multiplier: bool = False
+    grad: bool = False
     total_ctx: int | None = None
     max_position: int = 32768
     seed: int = 0
@@ -121,7 +123,7 @@ class CheckOptions:
     def interpreted_seconds(self) -> float:
         """About how long the check takes in interpret mode (no GPU), startup aside: a
         function of every size and of the installed backends it runs (see the constants
-        above)."""
+        above); with ``grad`` twice that, a backward pass being as costly as a forward one."""
         names = [name for name in self.backend_names if backend_installed(name)]
         elements = self.kv_elements()
         seconds = (INTERPRETED_SECONDS_PER_KV_ELEMENT * elements
@@ -135,7 +137,7 @@ class CheckOptions:
             cost = INTERPRETED_COSTS[name]
             seconds += (cost.once + cost.per_element * elements
                         + programs * (cost.per_program + cost.per_program_element * elements))
-        return seconds
+        return 2 * seconds if self.grad else seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,8 +193,10 @@ def header() -> str:
     return _line([name for name, _ in _COLUMNS])
 
 
-def row_lines(row: Row) -> list[str]:
+def row_lines(row: Row | GradientRow) -> list[str]:
     """The row as printed: its table line, then what went wrong, if anything did."""
+    if isinstance(row, GradientRow):
+        return _gradient_line(row)
     result = {True: "PASS", False: "FAIL", None: "-" if row.subject == "reference" else "skipped"}
     lines = [_line((
         row.subject,
@@ -210,6 +214,35 @@ def row_lines(row: Row) -> list[str]:
     return lines
 
 
+@dataclasses.dataclass(frozen=True)
+class GradientRow:
+    """One line of the gradients' table (``--grad``): a backend's gradients against the
+    reference backward's, or two backends'; ``detail`` says what differs."""
+
+    subject: str
+    device: str
+    against: str
+    gradients: tuple[str, ...]
+    ok: bool | None
+    detail: str
+
+
+_GRADIENT_COLUMNS = (("backend", 9), ("device", 22), ("against", 9), ("gradients", 46), ("result", 6))
+
+
+def gradient_header() -> str:
+    return "  ".join(name.ljust(width) for name, width in _GRADIENT_COLUMNS).rstrip()
+
+
+def _gradient_line(row: GradientRow) -> list[str]:
+    result = {True: "PASS", False: "FAIL", None: "-" if row.subject == "reference" else "skipped"}
+    cells = (row.subject, row.device, row.against, ", ".join(row.gradients), result[row.ok])
+    lines = ["  ".join(cell.ljust(width) for cell, (_, width) in zip(cells, _GRADIENT_COLUMNS)).rstrip()]
+    if row.detail:
+        lines.append(f"  {row.subject}{'' if row.against == '-' else ' vs ' + row.against}: {row.detail}")
+    return lines
+
+
 def verdict(ok: bool) -> str:
     return "ALL PASS" if ok else "DISAGREEMENT FOUND"
 
@@ -219,10 +252,11 @@ class CheckReport:
     options: CheckOptions
     total_ctx: int
     rows: tuple[Row, ...]
+    gradient_rows: tuple[GradientRow, ...] = ()
 
     @property
     def ok(self) -> bool:
-        return all(row.ok is not False for row in self.rows)
+        return all(row.ok is not False for row in (*self.rows, *self.gradient_rows))
 
     def as_dict(self) -> dict:
         """The report as ``--json`` prints it: the options under the names of the flags
@@ -232,16 +266,20 @@ class CheckReport:
             "options": {"layers": o.n_layers, "heads": o.num_kv_heads, "head_dim": o.head_dim,
                         "rotary_dim": o.rotary_dim, "rope_style": o.rope_style, "dtype": o.dtype,
                         "table_dtype": o.table_dtype, "tables": o.tables, "no_k_norm": not o.k_norm,
-                        "v_multiplier": o.v_multiplier, "tokens": self.total_ctx,
+                        "v_multiplier": o.v_multiplier, "grad": o.grad, "tokens": self.total_ctx,
                         "max_position": o.max_position, "seed": o.seed,
                         "backends": list(o.backend_names)},
             "ok": self.ok,
             "rows": [dataclasses.asdict(row) for row in self.rows],
+            "gradient_rows": [dataclasses.asdict(row) for row in self.gradient_rows],
         }
 
     def table(self) -> str:
         lines = [title(self.options, self.total_ctx), header()]
         lines += [line for row in self.rows for line in row_lines(row)]
+        if self.gradient_rows:
+            lines.append(gradient_header())
+            lines += [line for row in self.gradient_rows for line in row_lines(row)]
         lines.append(verdict(self.ok))
         return "\n".join(lines)
 
@@ -295,8 +333,53 @@ def check_arrays(options: CheckOptions, total_ctx: int) -> tuple:
     return kv, k_norm_weight, eps, table, positions, v_multiplier, layer_rope_table
 
 
-def run_check(options: CheckOptions, runners=None,
-              on_row: Callable[[Row], None] | None = None) -> CheckReport:
+def check_cotangents(options: CheckOptions, total_ctx: int) -> tuple[np.ndarray, np.ndarray]:
+    """``--grad``'s cotangents of K and V: standard normal, of ``kv``'s dtype and the outputs' shape."""
+    kv = check_arrays(options, total_ctx)[0]
+    # A generator of its own, so that the inputs are those of the same seed without --grad.
+    rng = np.random.default_rng((options.seed, 2))
+    shape = options.config.output_shape(options.n_layers, total_ctx)
+    return tuple(rng.standard_normal(shape).astype(kv.dtype) for _ in range(2))
+
+
+def _gradient_compare(subject, device, against, got: dict, expected: dict, dtype: str) -> GradientRow:
+    """``got`` against ``expected``, gradient by gradient: a gradient one of them lacks differs too."""
+    notes = [f"{against} has no {name}" for name in got if name not in expected]
+    for name, want in expected.items():
+        if name not in got:
+            notes.append(f"no {name}")
+        elif mismatch := gradient_mismatch(got[name], np.asarray(want, np.float64), dtype, name=f"{subject} {name}"):
+            notes.append(mismatch)
+    return GradientRow(subject, device, against, tuple(dict.fromkeys([*expected, *got])), not notes,
+                       "; ".join(notes))
+
+
+def _gradient_rows(options: CheckOptions, arrays: tuple, placed: tuple, runners: dict, emit) -> None:
+    """``--grad``: the reference backward, each backend's gradients against it, then every pair."""
+    config, total_ctx = options.config, options.tokens()
+    cotangents = check_cotangents(options, total_ctx)
+    reference = fused_kv_norm_rope_backward_reference(
+        *arrays[:5], *cotangents, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+        rotary_dim=config.rotary_dim, rope_style=config.rope_style, v_multiplier=arrays[5],
+        layer_rope_table=arrays[6])
+    expected = {name: grad for name, grad in zip(GRADIENT_NAMES, reference) if grad is not None}
+    emit(GradientRow("reference", "CPU (NumPy)", "-", tuple(expected), None, ""))
+    placed_cotangents = place_inputs(cotangents)
+    runs = []
+    for name, runner in runners.items():
+        try:
+            run = runner(name, placed, placed_cotangents, config)
+        except BackendUnavailable as reason:
+            emit(GradientRow(name, "-", "-", (), None, str(reason)))
+            continue
+        runs.append(run)
+        emit(_gradient_compare(run.name, run.device, "reference", run.grads, expected, options.dtype))
+    for first, second in itertools.combinations(runs, 2):
+        emit(_gradient_compare(first.name, first.device, second.name, first.grads, second.grads, options.dtype))
+
+
+def run_check(options: CheckOptions, runners=None, on_row: Callable[[Row], None] | None = None,
+              gradient_runners=None) -> CheckReport:
     """Run the reference and the chosen backends on one set of inputs and compare them all.
 
     Rows come in this order: the reference, each backend against the reference, then
@@ -304,12 +387,16 @@ def run_check(options: CheckOptions, runners=None,
     is known (the command line prints it then). ``runners`` maps backend names to
     callables ``(name, placed_inputs, config) -> BackendRun`` (default:
     :func:`interop.command.backends.run_backend`); tests pass a corrupted one to see the check fail.
+    With ``options.grad``, the gradients' rows follow, in the same order, from ``gradient_runners``
+    (``(name, placed_inputs, placed_cotangents, config) -> GradientRun``, default
+    :func:`interop.command.backends.run_backend_gradients`).
     """
     runners = runners or {name: run_backend for name in options.backend_names}
-    rows = []
+    gradient_runners = gradient_runners or {name: run_backend_gradients for name in options.backend_names}
+    rows, gradient_rows = [], []
 
-    def emit(row: Row) -> None:
-        rows.append(row)
+    def emit(row: Row | GradientRow) -> None:
+        (gradient_rows if isinstance(row, GradientRow) else rows).append(row)
         if on_row is not None:
             on_row(row)
 
@@ -337,4 +424,6 @@ def run_check(options: CheckOptions, runners=None,
     for first, second in itertools.combinations(runs, 2):
         emit(_compare_row(first.name, first.device, second.name, first.k, first.v, second.k, second.v,
                           v_exact=_v_exact(options, first.name) and _v_exact(options, second.name)))
-    return CheckReport(options, total_ctx, tuple(rows))
+    if options.grad:
+        _gradient_rows(options, arrays, placed, gradient_runners, emit)
+    return CheckReport(options, total_ctx, tuple(rows), tuple(gradient_rows))

@@ -19,7 +19,9 @@ from interop.command.check import (
     DEFAULT_TOKENS_CPU,
     DEFAULT_TOKENS_GPU,
     CheckOptions,
+    GradientRow,
     Row,
+    gradient_header,
     header,
     row_lines,
     run_check,
@@ -104,6 +106,10 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
     check.add_argument("--v-multiplier", action="store_true",
                        help="a random per-layer v_multiplier in [0.6, 0.72): V is v * v_multiplier[l], "
                             "rounded once")
+    check.add_argument("--grad", action="store_true",
+                       help="also each backend's gradients (kv's, and k_norm_weight's and v_multiplier's "
+                            "where given) for random cotangents of K and V, against the reference backward "
+                            "and each other")
     check.add_argument("--tokens", type=_positive, default=None, metavar="N",
                        help=f"total_ctx (default: {DEFAULT_TOKENS_GPU} with a GPU, "
                             f"{DEFAULT_TOKENS_CPU} in CPU interpret mode)")
@@ -157,7 +163,7 @@ def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     options = CheckOptions(
         n_layers=args.layers, num_kv_heads=args.heads, head_dim=args.head_dim,
         rotary_dim=rotary_dim, rope_style=args.rope_style, dtype=args.dtype, table_dtype=args.table_dtype,
-        tables=args.tables, k_norm=not args.no_k_norm, v_multiplier=args.v_multiplier,
+        tables=args.tables, k_norm=not args.no_k_norm, v_multiplier=args.v_multiplier, grad=args.grad,
         total_ctx=args.tokens, max_position=args.max_position, seed=args.seed,
         backends=args.backends,
     )
@@ -212,7 +218,12 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(json.dumps(report.as_dict(), indent=2))
         return 0 if report.ok else 1
 
-    def print_row(row: Row) -> None:
+    gradients_started = []
+
+    def print_row(row: Row | GradientRow) -> None:
+        if isinstance(row, GradientRow) and not gradients_started:
+            gradients_started.append(True)
+            print(gradient_header(), flush=True)
         print("\n".join(row_lines(row)), flush=True)
 
     print(title(options, options.tokens()), header(), sep="\n", flush=True)
