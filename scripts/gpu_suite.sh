@@ -2,7 +2,7 @@
 # Everything a GPU machine must show, run from the tree with nothing installed:
 #   bash scripts/gpu_suite.sh [PART ...]      PART: tests, check, trust, bench, host (default: all five)
 # tests: the pytest suite on the GPU (property tests with their CI examples);
-# check: `fusedkv check` on five configurations;
+# check: `fusedkv check` on six configurations, two with the gradients (--grad);
 # trust: scripts/gpu_trust.sh (many calls per entry point, memory, threads, then the
 #        property tests with the GPU's examples);
 # bench: `fusedkv bench --quick`: tables, CSV, JSON, plots and the tables as markdown;
@@ -38,10 +38,12 @@ for part in $PARTS; do
             summary+=("tests: $(tail -1 "$LOGS/pytest.log")");;
         check)
             : > "$LOGS/check.log"
-            for options in "" "--rotary-dim 64" "--head-dim 256 --rotary-dim 256" "--dtype float16" "--rope-style gptj"; do
+            configurations=("--grad" "--rotary-dim 64" "--head-dim 256 --rotary-dim 256" "--dtype float16"
+                            "--rope-style gptj" "--grad --tables 2 --no-k-norm --v-multiplier --table-dtype bfloat16")
+            for options in "${configurations[@]}"; do
                 python3 -m interop check $options 2>&1 | tee -a "$LOGS/check.log" || status=1
             done
-            summary+=("check: $(grep -cE '^ALL PASS' "$LOGS/check.log") of 5 configurations ALL PASS");;
+            summary+=("check: $(grep -cE '^ALL PASS' "$LOGS/check.log") of ${#configurations[@]} configurations ALL PASS");;
         trust)
             FUSEDKV_HYPOTHESIS_EXAMPLES=${FUSEDKV_HYPOTHESIS_EXAMPLES:-120} bash scripts/gpu_trust.sh all 2>&1 \
                 | tee "$LOGS/trust.log" | tail -45 || status=1
