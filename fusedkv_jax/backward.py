@@ -14,11 +14,12 @@ its partial sums of the weight's and the multiplier's gradients to a row of its 
 summed by jnp after the kernel: deterministic, unlike atomics. ``eps``, ``cos_sin_cache``,
 ``positions`` and given ``k_out``/``v_out`` (overwritten whole) get zero cotangents.
 
-The backward runs on the forward's tiles (over half the forward's threads: each holds 16
-elements of a tile, the fastest in a sweep of tiles on the H200), K loaded as whole rows and again at permuted
-columns for each element's RoPE partner (the forward's :class:`~fusedkv_jax.kernel._KRows`),
-in every form. Under a jit sharded by XLA its one ``pallas_call`` is not partitioned
-(inside ``jax.shard_map`` each device runs it on its own tokens).
+The backward runs on the forward's tiles over half the forward's threads (each holds 16
+elements of a tile, the fastest in a sweep of tiles on the H200), K loaded as whole rows
+and again at permuted columns for each element's RoPE partner (the forward's
+:class:`~fusedkv_jax.kernel._KRows`), in every form. Under a jit sharded by XLA its one
+``pallas_call`` is not partitioned (inside ``jax.shard_map`` each device runs it on its own
+tokens). The Mosaic GPU lowering's forward has the same backward (Mosaic GPU has none).
 """
 
 from __future__ import annotations

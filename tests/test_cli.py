@@ -104,6 +104,15 @@ def test_sizes_beyond_the_machines_memory_are_refused_naming_the_option_to_shrin
     assert re.search(r" about [\d,.]+ GiB of host memory for the check; this machine has 16 GiB$", message)
 
 
+def test_the_gradients_count_in_the_host_memory_of_a_check(capsys, monkeypatch):
+    # 20000 tokens of the draft shape: the forward's arrays fit in 16 GiB, with the gradients' not.
+    forward = CheckOptions(total_ctx=20000)
+    assert sum(forward.host_bytes()) < 16 * 2**30 < sum(dataclasses.replace(forward, grad=True).host_bytes())
+    monkeypatch.setattr(cli, "_physical_memory", lambda: 16 * 2**30)
+    message = _refusal(["--tokens", "20000", "--grad"], capsys, monkeypatch)
+    assert message.startswith("argument --tokens: 20000 tokens x 5 layers x 8 KV heads x head_dim 128 need")
+
+
 @pytest.mark.skipif(not ON_CPU, reason="the interpret-mode estimate applies without a GPU")
 @pytest.mark.parametrize("argv, option, unit", [
     (["--tokens", "1000000"], "--tokens", "hours"),

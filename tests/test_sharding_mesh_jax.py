@@ -258,7 +258,8 @@ def test_grad_inside_shard_map_over_tokens_matches_the_reference_backward():
     _assert_split(grad_kv, mesh, "x")
     whole_kv, _ = jax.jit(grads)(kv, positions, grad_k, grad_v, weight, eps, cos_sin)
     assert_bit_exact(grad_kv, whole_kv, name="grad_kv against the unsharded gradient")
-    for name, got, expected in (("grad_kv", grad_kv, expected_kv), ("grad_k_norm_weight", grad_weight, expected_weight)):
+    for name, got, expected in (("grad_kv", grad_kv, expected_kv),
+                                ("grad_k_norm_weight", grad_weight, expected_weight)):
         mismatch = gradient_mismatch(got, expected, str(kv.dtype), name=name)
         assert not mismatch, mismatch
 

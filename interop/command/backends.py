@@ -181,7 +181,8 @@ def run_backend_gradients(name: str, placed: tuple, cotangents: tuple, config: F
                   rope_style=config.rope_style)
     kv, k_norm_weight, eps, table, positions, v_multiplier, layer_rope_table = placed
     # The differentiated inputs, by gradient name: kv always, the weight and the multiplier where given.
-    wrt = {grad: array for grad, array in zip(GRADIENT_NAMES, (kv, k_norm_weight, v_multiplier)) if array is not None}
+    wrt = {grad: array for grad, array in zip(GRADIENT_NAMES, (kv, k_norm_weight, v_multiplier))
+           if array is not None}
     if name == "torch":
         import torch
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from interop.command.backends import (GRADIENT_NAMES, BackendUnavailable, gpu_framework, place_inputs,
                                       run_backend, run_backend_gradients, triton_interpreted)
+from interop.core.arrays import numpy_dtype
 from interop.registry import BACKENDS, backend_installed
 from interop.core.reference import fused_kv_norm_rope_reference, rope_cos_sin_cache
 from interop.core.reference_backward import fused_kv_norm_rope_backward_reference
@@ -26,6 +27,9 @@ DEFAULT_TOKENS_CPU = 16
 # cos/sin table, the fp64 angles, cos and sin it is built from before its fp32 copy.
 HOST_BYTES_PER_KV_ELEMENT = 48
 HOST_BYTES_PER_TABLE_ELEMENT = 32
+# What --grad adds per element of kv: the reference backward's fp64 intermediates (about 42
+# bytes at its peak), its fp64 gradient, and each comparison's fp64 copies.
+HOST_BYTES_PER_KV_ELEMENT_GRADIENTS = 64
 
 # What a check costs in interpret mode (no GPU), fitted to checks timed on a CPU: the
 # inputs and the reference per element of kv, each comparison of two backends per element,
@@ -99,8 +103,8 @@ class CheckOptions:
     def host_bytes(self) -> tuple[int, int]:
         """About the most host memory the check holds at once, for kv and what is made from
         it, and for the cos/sin table (see the constants above)."""
-        return (HOST_BYTES_PER_KV_ELEMENT * self.kv_elements(),
-                HOST_BYTES_PER_TABLE_ELEMENT * self.table_elements())
+        per_element = HOST_BYTES_PER_KV_ELEMENT + (HOST_BYTES_PER_KV_ELEMENT_GRADIENTS if self.grad else 0)
+        return per_element * self.kv_elements(), HOST_BYTES_PER_TABLE_ELEMENT * self.table_elements()
 
     def table_elements(self) -> int:
         return self.tables * self.max_position * self.rotary_dim
@@ -335,11 +339,10 @@ def check_arrays(options: CheckOptions, total_ctx: int) -> tuple:
 
 def check_cotangents(options: CheckOptions, total_ctx: int) -> tuple[np.ndarray, np.ndarray]:
     """``--grad``'s cotangents of K and V: standard normal, of ``kv``'s dtype and the outputs' shape."""
-    kv = check_arrays(options, total_ctx)[0]
     # A generator of its own, so that the inputs are those of the same seed without --grad.
     rng = np.random.default_rng((options.seed, 2))
     shape = options.config.output_shape(options.n_layers, total_ctx)
-    return tuple(rng.standard_normal(shape).astype(kv.dtype) for _ in range(2))
+    return tuple(rng.standard_normal(shape).astype(numpy_dtype(options.dtype)) for _ in range(2))
 
 
 def _gradient_compare(subject, device, against, got: dict, expected: dict, dtype: str) -> GradientRow:
