@@ -435,8 +435,14 @@ def fused_kv_norm_rope_accepted(accepted: AcceptedCall, kv, k_norm_weight, eps, 
                                  layer_rope_table=None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`fused_kv_norm_rope` on torch tensors made from arrays that ``interop`` validated
     as ``accepted`` (``interop.core.spec.accept_call``, then ``check_output_buffers``): those
-    checks are not run again. Not for other callers: the public function checks everything."""
-    return _prepared(accepted, kv).launch(
+    checks are not run again. Not for other callers: the public function checks everything.
+    Differentiable as the public function is."""
+    prepared = _prepared(accepted, kv)
+    if requires_grad(kv, k_norm_weight, v_multiplier):
+        _check_differentiable(kv, k_norm_weight, v_multiplier, k_out, v_out)
+        return prepared.launch_differentiable(kv, k_norm_weight, eps, cos_sin_cache, positions, False, v_multiplier,
+                                              layer_rope_table)
+    return prepared.launch(
         kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, False, v_multiplier, layer_rope_table)
 
 

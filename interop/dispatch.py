@@ -102,6 +102,8 @@ def fused_kv_norm_rope(
                                  k_out, v_out))
         accepted.prepared[("interop", backend)] = route
     arrays = (kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table)
+    if route.crosses:  # per call: grad mode, requires_grad and tracing are no part of the signature
+        _check_crossable((*zip(_ARRAY_NAMES, arrays), *outputs), route.backend)
     in_place = {name: out for name, out in outputs if name in route.in_place}
     # Validated above on the caller's arrays, whose shapes, dtypes and devices crossing keeps.
     if not route.crosses:
@@ -135,6 +137,44 @@ class _Route:
                               if _written_in_place(out, self.backend))
         self.crosses = any(array is not None and framework_of(array) != self.backend for array in arrays)
         _check_deliverable(kv, self.caller, (("k_out", k_out), ("v_out", v_out)), self.in_place)
+
+
+_ARRAY_NAMES = ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "v_multiplier", "layer_rope_table")
+# The arrays a call's gradients are taken with respect to (CONTRACT.md, Gradients).
+_DIFFERENTIATED = ("kv", "k_norm_weight", "v_multiplier")
+
+
+def _check_crossable(named_arrays, backend: str) -> None:
+    """Refuse, before anything crosses, an array whose meaning crossing would lose: a torch
+    tensor autograd records (its gradient would be dropped on the way) and a traced jax array
+    (inside ``jax.jit``, ``jax.grad``... it has no values for another framework's kernel)."""
+    for name, array in named_arrays:
+        framework = None if array is None else framework_of(array)
+        if framework in (None, backend):
+            continue
+        if framework == "torch" and name in _DIFFERENTIATED and _records_grad(array):
+            raise ValueError(
+                f"Invalid {name} for fused KV materialization: got a torch tensor that requires grad for the "
+                f"{backend} backend, expected one that does not (gradients do not cross frameworks: "
+                "backend='torch' differentiates, or detach the tensor).")
+        if framework == "jax" and _traced(array):
+            raise TypeError(
+                f"Invalid {name} for fused KV materialization: got a traced jax array (inside jax.jit, "
+                f"jax.grad or another jax transformation) for the {backend} backend, expected a concrete array "
+                "(another framework's kernel cannot run on values that do not exist yet: backend='jax' runs "
+                "inside jax transformations).")
+
+
+def _records_grad(tensor) -> bool:
+    import torch
+
+    return torch.is_grad_enabled() and tensor.requires_grad
+
+
+def _traced(array) -> bool:
+    import jax
+
+    return isinstance(array, jax.core.Tracer)
 
 
 @functools.cache

@@ -24,8 +24,9 @@ from interop.core.arrays import as_numpy, numpy_dtype  # noqa: E402
 from interop.command.backends import run_backend  # noqa: E402
 from interop.exchange import framework_of, to_jax, to_torch  # noqa: E402
 from interop.core.reference import fused_kv_norm_rope_reference  # noqa: E402
+from interop.core.reference_backward import fused_kv_norm_rope_backward_reference  # noqa: E402
 from interop.core.spec import FusedKVConfig  # noqa: E402
-from interop.testing import assert_bit_exact, assert_close, random_inputs  # noqa: E402
+from interop.testing import assert_bit_exact, assert_close, gradient_mismatch, random_inputs  # noqa: E402
 
 CONFIG = FusedKVConfig(num_kv_heads=2, head_dim=32, rotary_dim=32)
 STATIC = dict(num_kv_heads=2, head_dim=32, rotary_dim=32)
@@ -189,11 +190,13 @@ def test_column_sliced_kv_view_reaches_jax_correctly():
 
 
 @pytest.mark.parametrize("backend", ["torch", "jax"])
-def test_kv_that_requires_grad_is_accepted(backend):
+def test_kv_that_requires_grad_gives_the_reference_values(backend):
+    # The jax backend takes it where autograd records nothing (a gradient cannot cross frameworks).
     inputs = _inputs(seed=11, dtype="float32")
     kv = to_torch(inputs.kv).to(DEVICE).requires_grad_(True)
     others = [_as_caller(a, "torch") for a in inputs.arrays()[1:]]
-    k, v = interop.fused_kv_norm_rope(kv, *others, **STATIC, backend=backend)
+    with torch.set_grad_enabled(backend == "torch"):
+        k, v = interop.fused_kv_norm_rope(kv, *others, **STATIC, backend=backend)
     k_ref, v_ref = fused_kv_norm_rope_reference(*inputs.arrays(), **STATIC)
     assert_close(k, k_ref)
     assert_bit_exact(v, v_ref)
@@ -577,3 +580,62 @@ def test_the_command_line_interprets_the_triton_kernel_without_a_gpu():
     """)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "0 1"
+
+
+# --- gradients through the backend-neutral call --------------------------------------------
+
+
+def test_torch_tensors_that_require_grad_differentiate_through_the_torch_backend():
+    kv, weight, eps, cos_sin, positions = _inputs(60, dtype="float32").arrays()
+    grad_k, grad_v = (np.random.default_rng(61 + i).standard_normal(CONFIG.output_shape(2, 5)).astype(np.float32)
+                      for i in range(2))
+    leaves = [to_torch(a).to(DEVICE, copy=True).requires_grad_() for a in (kv, weight)]
+    rest = [to_torch(a).to(DEVICE, copy=True) for a in (eps, cos_sin, positions)]
+    k, v = interop.fused_kv_norm_rope(leaves[0], leaves[1], *rest, **STATIC, backend="torch")
+    assert k.grad_fn is not None and v.grad_fn is not None
+    torch.autograd.backward((k, v), (to_torch(grad_k).to(DEVICE), to_torch(grad_v).to(DEVICE)))
+    expected_kv, expected_weight, _ = fused_kv_norm_rope_backward_reference(
+        kv, weight, eps, cos_sin, positions, grad_k, grad_v, **STATIC, rope_style="neox")
+    for name, leaf, expected in (("grad_kv", leaves[0], expected_kv),
+                                 ("grad_k_norm_weight", leaves[1], expected_weight)):
+        mismatch = gradient_mismatch(leaf.grad, expected, "float32", name=name)
+        assert not mismatch, mismatch
+
+
+def test_given_outputs_with_a_tensor_that_requires_grad_are_refused_as_fusedkv_torch_refuses_them():
+    kv, *rest = (to_torch(a).to(DEVICE, copy=True) for a in _inputs(62).arrays())
+    kv.requires_grad_()
+    k_out, v_out = (torch.full(CONFIG.output_shape(2, 5), 7.0, dtype=kv.dtype, device=DEVICE) for _ in range(2))
+    with pytest.raises(ValueError) as refused:
+        interop.fused_kv_norm_rope(kv, *rest, **STATIC, k_out=k_out, v_out=v_out, backend="torch")
+    assert str(refused.value).startswith("Invalid k_out for fused KV materialization: got an output buffer while kv")
+    assert (k_out == 7).all() and (v_out == 7).all()
+
+
+@pytest.mark.parametrize("name", ["kv", "k_norm_weight", "v_multiplier"])
+def test_a_torch_tensor_that_requires_grad_is_refused_by_the_jax_backend(name):
+    arrays = dict(zip(("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions"),
+                      (to_torch(a).to(DEVICE, copy=True) for a in _inputs(63).arrays())))
+    arrays["v_multiplier"] = torch.ones(2, device=DEVICE)
+    arrays[name].requires_grad_()
+    message = (f"Invalid {name} for fused KV materialization: got a torch tensor that requires grad for the jax "
+               "backend, expected one that does not")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        interop.fused_kv_norm_rope(**arrays, **STATIC, backend="jax")
+    with torch.no_grad():  # nothing is recorded there, so nothing is lost
+        k, _ = interop.fused_kv_norm_rope(**arrays, **STATIC, backend="jax")
+    assert framework_of(k) == "torch"
+
+
+@pytest.mark.parametrize("transform", ["jit", "grad"])
+def test_traced_jax_arrays_are_refused_by_the_torch_backend_naming_the_array(transform):
+    kv, weight, eps, cos_sin, positions = (jnp.asarray(a) for a in _inputs(64, dtype="float32").arrays())
+
+    def op(kv):
+        k, v = interop.fused_kv_norm_rope(kv, weight, eps, cos_sin, positions, **STATIC, backend="torch")
+        return jnp.sum(k) + jnp.sum(v)
+
+    message = ("Invalid kv for fused KV materialization: got a traced jax array (inside jax.jit, jax.grad or "
+               "another jax transformation) for the torch backend, expected a concrete array")
+    with pytest.raises(TypeError, match=re.escape(message)):
+        (jax.jit(op) if transform == "jit" else jax.grad(op))(kv)
