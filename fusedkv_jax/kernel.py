@@ -865,8 +865,32 @@ def fused_kv_norm_rope_into_cache(
         return k_cache, v_cache
     positions = narrow_for_jax(positions)
     cache_loc = narrow_for_jax(cache_loc)
-    return _launch(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
-                   k_scale, v_scale, v_multiplier, layer_rope_table, **options)
+    return _cache_launch(tuple(options.items()), kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc,
+                         k_cache, v_cache, k_scale, v_scale, v_multiplier, layer_rope_table)
+
+
+_CACHE_CALL_NAMES = ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "cache_loc", "k_cache", "v_cache",
+                     "k_scale", "v_scale", "v_multiplier", "layer_rope_table")
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _cache_launch(options: tuple, *arrays):
+    """:func:`_launch` of a cache call, which jax.grad and jax.jvp refuse: without this rule
+    they would differentiate the launch's partitioning and fail inside jax."""
+    return _launch(*arrays, **dict(options))
+
+
+def _refused_cache_jvp(options, primals, tangents):
+    name = next(name for name, tangent in zip(_CACHE_CALL_NAMES, tangents)
+                if not isinstance(tangent, jax.custom_derivatives.SymbolicZero))
+    raise TypeError(
+        f"Invalid {name} for fused KV materialization: got a value jax differentiates (jax.grad, jax.jvp) "
+        "in a cache variant (fused_kv_norm_rope_into_cache, materialize_into_cache), expected none (the "
+        "caches are written in place and carry no gradient: differentiate fused_kv_norm_rope or materialize, "
+        "and write their outputs into the cache).")
+
+
+_cache_launch.defjvp(_refused_cache_jvp, symbolic_zeros=True)
 
 
 # Last: the backward's module builds on this one's helpers.

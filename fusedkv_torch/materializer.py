@@ -314,6 +314,7 @@ class FusedKVMaterializer:
         the materializer reuses: copy what is needed before the next call.
         """
         total_ctx = validate_materialize(ctx_hidden, self.config, max_position, accepted="torch")
+        self._check_unrecorded(ctx_hidden, "materialize_layers")
         out_shape = self.config.op.output_shape(self.config.n_layers, total_ctx)
         half = self.config.n_layers * total_ctx * self.config.op.kv_size
         self._staging = _grown(self._staging, 2 * half, "staging buffer")
@@ -351,6 +352,7 @@ class FusedKVMaterializer:
         """
         stacked_k, stacked_v = _stacked_cache(k_cache, "k_cache"), _stacked_cache(v_cache, "v_cache")
         kv, gemm_out = self._workspace_view(ctx_hidden, max_position)
+        self._check_unrecorded(ctx_hidden, "materialize_into_cache")
         op_args = (kv, self.k_norm_weight, self.eps, self.cos_sin_cache, positions,
                    cache_loc, stacked_k, stacked_v)
         prepared = prepare_cache_call(*op_args, *self._op_static, k_scale, v_scale, v_multiplier=self.v_multiplier,
@@ -358,6 +360,19 @@ class FusedKVMaterializer:
         self._project_into(gemm_out, ctx_hidden)
         prepared.launch_into_cache(*op_args, k_scale, v_scale, self.v_multiplier, self.layer_rope_table)
         return k_cache, v_cache
+
+    def _check_unrecorded(self, ctx_hidden: torch.Tensor, method: str) -> None:
+        """Refuse a call of ``method`` (whose results carry no gradient) that autograd would record:
+        it would drop the gradients of ``ctx_hidden`` and the layers' tensors without a word."""
+        named = [("ctx_hidden", ctx_hidden)] + [
+            (f"layers[{index}].{attribute}", tensor) for index, tensors in enumerate(self._layer_tensors)
+            for attribute, tensor in zip(("kv_proj_weight", "kv_proj_bias", "k_norm_weight"), tensors)]
+        for name, tensor in named:
+            if requires_grad(tensor):
+                raise ValueError(
+                    f"Invalid {name} for fused KV materialization: got a tensor that requires grad for {method}, "
+                    "expected one that does not (its results carry no gradient: call it under torch.no_grad(), "
+                    "or differentiate materialize).")
 
     def _grow_workspace(self, numel: int) -> None:
         workspace = _grown(self._workspace, numel, "GEMM workspace")

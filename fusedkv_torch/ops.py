@@ -304,10 +304,23 @@ def prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_l
                                              "layer_rope_table"),
                              arrays + (v_multiplier, layer_rope_table))
     accepted = accept_cache_call(*arrays, **static, takes="torch")
+    _check_unrecorded(kv, k_norm_weight, v_multiplier)
     prepared = _prepared(accepted, kv, tile)
     if prepared.plan is not None:
         check_output_buffers(kv, (("k_cache", k_cache), ("v_cache", v_cache)))
     return prepared
+
+
+def _check_unrecorded(kv, k_norm_weight, v_multiplier) -> None:
+    """Refuse a cache call autograd would record: the caches are written in place and carry
+    no gradient, which would drop the inputs' without a word."""
+    for name, tensor in (("kv", kv), ("k_norm_weight", k_norm_weight), ("v_multiplier", v_multiplier)):
+        if requires_grad(tensor):
+            raise ValueError(
+                f"Invalid {name} for fused KV materialization: got a tensor that requires grad for "
+                "fused_kv_norm_rope_into_cache, expected one that does not (the caches are written in place "
+                "and carry no gradient: call it under torch.no_grad(), or differentiate fused_kv_norm_rope "
+                "and write its outputs into the cache).")
 
 
 def _check_positions_in_range(positions: torch.Tensor, max_position: int) -> None:

@@ -2,6 +2,8 @@
 NumPy reference backward: under jax.vjp, jax.grad in jit, jax.checkpoint, check_grads,
 and through the materializer."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -197,3 +199,22 @@ def test_jax_gradients_after_the_mosaic_lowerings_forward_are_the_triton_lowerin
     for name, got, same, want in zip(("grad_kv", "grad_k_norm_weight"), mosaic, triton, expected):
         assert_bit_exact(got, same, name=name)
         assert_grad_close(got, want, "bfloat16", name)
+
+
+@pytest.mark.parametrize("wrt", ["kv", "k_cache"])
+def test_jax_grad_through_the_cache_variant_is_refused_naming_what_it_differentiates(wrt):
+    config = FusedKVConfig(2, 8, 8, "neox")
+    (kv, weight, eps, cache, positions), _, _ = _inputs(config, seed=15)
+    slots = jnp.array([0, 2, 4], jnp.int32)
+    k_cache, v_cache = jnp.zeros((2, 6, 2, 8), jnp.float32), jnp.ones((2, 6, 2, 8), jnp.float32)
+
+    def loss(kv, k_cache):
+        k, v = fusedkv_jax.fused_kv_norm_rope_into_cache(kv, weight, eps, cache, positions, slots, k_cache, v_cache,
+                                                         **_static(config))
+        return jnp.sum(k) + jnp.sum(v)
+
+    message = (f"Invalid {wrt} for fused KV materialization: got a value jax differentiates (jax.grad, jax.jvp) "
+               "in a cache variant")
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}"):
+        jax.grad(loss, argnums=0 if wrt == "kv" else 1)(jnp.asarray(kv), k_cache)
+    assert np.isfinite(float(jax.jit(loss)(jnp.asarray(kv), k_cache)))  # undifferentiated, it runs

@@ -303,3 +303,59 @@ def test_a_refused_call_with_per_layer_tables_that_requires_grad_raises_under_fu
     with pytest.raises(ValueError, match=r"^Invalid k_out for fused KV materialization: got an output buffer while"):
         torch.compile(call, fullgraph=True, backend="aot_eager")(kv.requires_grad_())
     assert torch.isnan(k_out).all()
+
+
+@pytest.mark.parametrize("name", ["kv", "k_norm_weight", "v_multiplier"])
+def test_a_cache_call_autograd_would_record_is_refused_with_the_caches_untouched(name):
+    config = FusedKVConfig(2, 8, 8, "neox")
+    kv, weight, eps, cache, positions, multiplier = _op_leaves(config)
+    arrays = dict(kv=kv, k_norm_weight=weight, v_multiplier=multiplier)
+    arrays[name].requires_grad_()
+    caches = [torch.full((1, 4, 2, 8), 7.0, device=DEVICE) for _ in range(2)]
+    slots = torch.tensor([3, 0], device=DEVICE)
+    message = (f"Invalid {name} for fused KV materialization: got a tensor that requires grad for "
+               "fused_kv_norm_rope_into_cache, expected one that does not")
+
+    def call():
+        return fusedkv_torch.fused_kv_norm_rope_into_cache(
+            arrays["kv"], arrays["k_norm_weight"], eps, cache, positions, slots, *caches, **_static(config),
+            v_multiplier=arrays["v_multiplier"])
+
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        call()
+    assert all((c == 7).all() for c in caches)
+    with torch.no_grad():  # nothing recorded, nothing lost
+        call()
+    assert not (caches[0][0, 3] == 7).any() and (caches[0][0, 1] == 7).all()
+
+
+@pytest.mark.parametrize("method", ["materialize_into_cache", "materialize_layers"])
+@pytest.mark.parametrize("recorded", ["ctx_hidden", "layers[1].k_norm_weight"])
+def test_materializer_calls_without_gradients_refuse_what_autograd_would_record(method, recorded):
+    config, hidden = FusedKVConfig(2, 8, 8, "neox"), 6
+    layers = _layers(config, hidden, seed=15, bases=(1e4, 1e4))
+    for layer in layers:
+        for tensor in (layer.kv_proj_weight, layer.k_norm_weight):
+            tensor.requires_grad_(False)
+    if recorded != "ctx_hidden":
+        layers[1].k_norm_weight.requires_grad_()
+    materializer = fusedkv_torch.FusedKVMaterializer(layers)
+    ctx_hidden = torch.ones((2, hidden), device=DEVICE, requires_grad=recorded == "ctx_hidden")
+    positions = torch.tensor([0, 5], device=DEVICE)
+    caches = [torch.full((2, 4, 2, 8), 7.0, device=DEVICE) for _ in range(2)]
+    written = []
+
+    def call():
+        if method == "materialize_into_cache":
+            return materializer.materialize_into_cache(ctx_hidden, positions, torch.tensor([1, 2], device=DEVICE),
+                                                       *caches)
+        return materializer.materialize_layers(ctx_hidden, positions, lambda *args: written.append(args))
+
+    message = (f"Invalid {recorded} for fused KV materialization: got a tensor that requires grad for {method}, "
+               "expected one that does not")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+        call()
+    assert all((c == 7).all() for c in caches) and not written
+    with torch.no_grad():
+        call()
+    assert len(written) == 2 if method == "materialize_layers" else not (caches[0][:, 1] == 7).any()
