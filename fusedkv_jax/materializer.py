@@ -243,21 +243,37 @@ def _fp8_projection(ctx_hidden, weight, weight_scale, bias, fp8_gemm: bool) -> j
 
     With ``fp8_gemm``: a dot of FP8 operands accumulated in fp32, the activations quantized
     per token (as :func:`~interop.core.materializer.quantize_per_token`), both scales applied
-    after it. Otherwise dequantize-then-GEMM: fp32 weights, an fp32 dot (at full precision,
-    not TF32). Either rounds once, to bfloat16.
+    after it; differentiated, dequantize-then-GEMM, forward and backward, as torch's
+    materializer does (the quantization has no useful derivative). Otherwise
+    dequantize-then-GEMM: fp32 weights, an fp32 dot (at full precision, not TF32). Either
+    rounds once, to bfloat16.
     """
-    hidden = ctx_hidden.astype(jnp.bfloat16).astype(jnp.float32)
     if fp8_gemm:
-        inverse = FP8_E4M3_MAX / jnp.maximum(jnp.max(jnp.abs(hidden), axis=1, keepdims=True), MIN_ACTIVATION_AMAX)
-        codes = (hidden * inverse).astype(jnp.float8_e4m3fn)
-        products = jax.lax.dot_general(codes, weight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        kv = products * (1 / inverse) * weight_scale
-    else:
-        kv = jnp.dot(hidden, (weight.astype(jnp.float32) * weight_scale[:, None]).T,
-                     precision=jax.lax.Precision.HIGHEST)
-    if bias is not None:
-        kv = kv + bias.astype(jnp.float32)
-    return kv.astype(jnp.bfloat16)
+        return _fp8_tensor_core_projection(ctx_hidden, weight, weight_scale, bias)
+    return _dequantized_projection(ctx_hidden, weight, weight_scale, bias)
+
+
+def _dequantized_projection(ctx_hidden, weight, weight_scale, bias) -> jax.Array:
+    hidden = ctx_hidden.astype(jnp.bfloat16).astype(jnp.float32)
+    kv = jnp.dot(hidden, (weight.astype(jnp.float32) * weight_scale[:, None]).T, precision=jax.lax.Precision.HIGHEST)
+    return (kv if bias is None else kv + bias.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+@jax.custom_vjp
+def _fp8_tensor_core_projection(ctx_hidden, weight, weight_scale, bias) -> jax.Array:
+    hidden = ctx_hidden.astype(jnp.bfloat16).astype(jnp.float32)
+    inverse = FP8_E4M3_MAX / jnp.maximum(jnp.max(jnp.abs(hidden), axis=1, keepdims=True), MIN_ACTIVATION_AMAX)
+    codes = (hidden * inverse).astype(jnp.float8_e4m3fn)
+    products = jax.lax.dot_general(codes, weight, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    kv = products * (1 / inverse) * weight_scale
+    return (kv if bias is None else kv + bias.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def _differentiated_fp8_projection(ctx_hidden, weight, weight_scale, bias):
+    return jax.vjp(_dequantized_projection, ctx_hidden, weight, weight_scale, bias)
+
+
+_fp8_tensor_core_projection.defvjp(_differentiated_fp8_projection, lambda vjp, cotangent: vjp(cotangent))
 
 
 @functools.partial(jax.jit, static_argnames=("fp8_gemm",))

@@ -263,3 +263,32 @@ def test_fp8_weights_under_autograd_run_dequantize_then_gemm_and_give_the_gradie
     # The gradient passes the casts of hidden to bf16 and back: it is rounded to bf16, half an ulp.
     np.testing.assert_allclose(ctx_hidden.grad.cpu().numpy(), np.broadcast_to(v_rows, case.ctx_hidden.shape),
                                rtol=2.0 ** -8, atol=1e-6)
+
+
+def test_jax_fp8_gemm_differentiates_as_dequantize_then_gemm_as_torch_does(monkeypatch):
+    # Differentiated, the FP8 tensor cores' formula is replaced by dequantize-then-GEMM, forward
+    # and backward (torch's materializer does the same): the quantization has no useful derivative.
+    jax = pytest.importorskip("jax")
+    import fusedkv_jax
+    import fusedkv_jax.materializer as module
+
+    case = _case(kv_bias=True)
+    materializer = fusedkv_jax.FusedKVMaterializer(list(case.layers))
+    ctx_hidden, positions = jax.numpy.asarray(case.ctx_hidden), jax.numpy.asarray(case.positions)
+    probes = [np.random.default_rng(4 + i).standard_normal(OP.output_shape(2, 5)).astype(np.float32)
+              for i in range(2)]
+
+    def gradients():
+        def loss(ctx_hidden):
+            k, v = materializer.materialize(ctx_hidden, positions)
+            return (k * probes[0]).sum() + (v * probes[1]).sum(), (k, v)
+        return jax.grad(loss, has_aux=True)(ctx_hidden)
+
+    dequantized = gradients()
+    monkeypatch.setattr(module, "_fp8_gemm", lambda config, ctx_hidden: config.fp8_gemm_shapes)
+    assert module._fp8_gemm(materializer.config, ctx_hidden)  # the tensor cores' formula, undifferentiated
+    forced = gradients()
+    for got, expected in zip(jax.tree.leaves(forced), jax.tree.leaves(dequantized)):
+        assert_bit_exact(got, expected)
+    kv_fp8 = host(materializer.project(ctx_hidden))  # undifferentiated, still the FP8 formula
+    assert not np.array_equal(kv_fp8, projection_reference(case.layers, case.ctx_hidden).astype(kv_fp8.dtype))
