@@ -178,15 +178,38 @@ def _backward(options, residuals, cotangents):
     options = dict(options)
     block_tokens, block_heads, num_warps = backward_tile(
         options["block_tokens"], options["block_heads"], options["config"].head_dim)
-    grad_kv, grad_weight, grad_multiplier = _pallas_backward(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, grad_k.astype(kv.dtype),
-        grad_v.astype(kv.dtype), layer_rope_table, config=options["config"], block_tokens=block_tokens,
-        block_heads=block_heads, num_warps=num_warps, interpret=options["interpret"])
+    static = dict(config=options["config"], block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps,
+                  interpret=options["interpret"])
+    grad_kv, grad_weight, grad_multiplier = _first_order_backward(
+        tuple(static.items()), kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier,
+        grad_k.astype(kv.dtype), grad_v.astype(kv.dtype), layer_rope_table)
     # None: a zero cotangent (eps, the tables, positions, outputs the forward overwrote whole, the tables' index).
     return grad_kv, grad_weight, None, None, None, None, None, grad_multiplier, None
 
 
 differentiable_launch.defvjp(_forward, _backward)
+
+_BACKWARD_NAMES = ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "v_multiplier", "grad_k", "grad_v",
+                   "layer_rope_table")
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _first_order_backward(static: tuple, *arrays):
+    """:func:`_pallas_backward`, which a second derivative refuses: autodiff of its kernel
+    would fail inside jax."""
+    return _pallas_backward(*arrays, **dict(static))
+
+
+def _refused_second_order(static, primals, tangents):
+    name = next(name for name, tangent in zip(_BACKWARD_NAMES, tangents)
+                if not isinstance(tangent, jax.custom_derivatives.SymbolicZero))
+    raise TypeError(
+        f"Invalid {name} for fused KV materialization: got a second derivative through the op (jax.grad of "
+        "jax.grad, jax.hessian), expected first-order gradients (its backward kernel has no derivative of its "
+        "own: differentiate a plain-array formulation for higher orders).")
+
+
+_first_order_backward.defjvp(_refused_second_order, symbolic_zeros=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

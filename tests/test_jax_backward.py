@@ -218,3 +218,18 @@ def test_jax_grad_through_the_cache_variant_is_refused_naming_what_it_differenti
     with pytest.raises(TypeError, match=f"^{re.escape(message)}"):
         jax.grad(loss, argnums=0 if wrt == "kv" else 1)(jnp.asarray(kv), k_cache)
     assert np.isfinite(float(jax.jit(loss)(jnp.asarray(kv), k_cache)))  # undifferentiated, it runs
+
+
+def test_a_second_derivative_through_the_op_is_refused_naming_what_it_differentiates():
+    config = FusedKVConfig(1, 8, 8, "neox")
+    (kv, weight, eps, cache, positions), _, _ = _inputs(config, seed=16)
+
+    def loss(kv):
+        k, _ = fusedkv_jax.fused_kv_norm_rope(kv, weight, eps, cache, positions, **_static(config))
+        return jnp.sum(k * k)
+
+    first = jax.grad(loss)(jnp.asarray(kv))  # first order: the backward kernel
+    assert np.isfinite(np.asarray(first)).all()
+    message = "Invalid kv for fused KV materialization: got a second derivative through the op"
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}"):
+        jax.grad(lambda kv: jnp.sum(jax.grad(loss)(kv)))(jnp.asarray(kv))
