@@ -44,6 +44,7 @@ from fusedkv_jax.kernel import (
     _load_norm_weight,
     _store,
     _varying_axes,
+    refusing_derivatives,
 )
 from interop.core.spec import FusedKVConfig
 
@@ -189,27 +190,14 @@ def _backward(options, residuals, cotangents):
 
 differentiable_launch.defvjp(_forward, _backward)
 
-_BACKWARD_NAMES = ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "v_multiplier", "grad_k", "grad_v",
-                   "layer_rope_table")
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _first_order_backward(static: tuple, *arrays):
-    """:func:`_pallas_backward`, which a second derivative refuses: autodiff of its kernel
-    would fail inside jax."""
-    return _pallas_backward(*arrays, **dict(static))
-
-
-def _refused_second_order(static, primals, tangents):
-    name = next(name for name, tangent in zip(_BACKWARD_NAMES, tangents)
-                if not isinstance(tangent, jax.custom_derivatives.SymbolicZero))
-    raise TypeError(
-        f"Invalid {name} for fused KV materialization: got a second derivative through the op (jax.grad of "
-        "jax.grad, jax.hessian), expected first-order gradients (its backward kernel has no derivative of its "
-        "own: differentiate a plain-array formulation for higher orders).")
-
-
-_first_order_backward.defjvp(_refused_second_order, symbolic_zeros=True)
+# The backward kernel, which a second derivative refuses: autodiff of its kernel would fail inside jax.
+_first_order_backward = refusing_derivatives(
+    lambda static, *arrays: _pallas_backward(*arrays, **dict(static)),
+    ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "v_multiplier", "grad_k", "grad_v",
+     "layer_rope_table"),
+    got="a second derivative through the op (jax.grad of jax.grad, jax.hessian)",
+    expected="first-order gradients (its backward kernel has no derivative of its own: differentiate a "
+             "plain-array formulation for higher orders)")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

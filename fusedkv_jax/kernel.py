@@ -869,28 +869,30 @@ def fused_kv_norm_rope_into_cache(
                          k_cache, v_cache, k_scale, v_scale, v_multiplier, layer_rope_table)
 
 
-_CACHE_CALL_NAMES = ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "cache_loc", "k_cache", "v_cache",
-                     "k_scale", "v_scale", "v_multiplier", "layer_rope_table")
+def refusing_derivatives(function, names: tuple, got: str, expected: str):
+    """``function(static, *arrays)`` behind a ``jax.custom_jvp`` whose derivative raises the
+    project's ``TypeError``, naming the first of ``names`` that is differentiated, instead of
+    letting jax differentiate what it cannot and fail inside."""
+    wrapped = jax.custom_jvp(function, nondiff_argnums=(0,))
+
+    def refuse(static, primals, tangents):
+        name = next(name for name, tangent in zip(names, tangents)
+                    if not isinstance(tangent, jax.custom_derivatives.SymbolicZero))
+        raise TypeError(f"Invalid {name} for fused KV materialization: got {got}, expected {expected}.")
+
+    wrapped.defjvp(refuse, symbolic_zeros=True)
+    return wrapped
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _cache_launch(options: tuple, *arrays):
-    """:func:`_launch` of a cache call, which jax.grad and jax.jvp refuse: without this rule
-    they would differentiate the launch's partitioning and fail inside jax."""
-    return _launch(*arrays, **dict(options))
-
-
-def _refused_cache_jvp(options, primals, tangents):
-    name = next(name for name, tangent in zip(_CACHE_CALL_NAMES, tangents)
-                if not isinstance(tangent, jax.custom_derivatives.SymbolicZero))
-    raise TypeError(
-        f"Invalid {name} for fused KV materialization: got a value jax differentiates (jax.grad, jax.jvp) "
-        "in a cache variant (fused_kv_norm_rope_into_cache, materialize_into_cache), expected none (the "
-        "caches are written in place and carry no gradient: differentiate fused_kv_norm_rope or materialize, "
-        "and write their outputs into the cache).")
-
-
-_cache_launch.defjvp(_refused_cache_jvp, symbolic_zeros=True)
+# The cache call's launch, which jax.grad and jax.jvp refuse: they would differentiate its partitioning.
+_cache_launch = refusing_derivatives(
+    lambda options, *arrays: _launch(*arrays, **dict(options)),
+    ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "cache_loc", "k_cache", "v_cache", "k_scale",
+     "v_scale", "v_multiplier", "layer_rope_table"),
+    got="a value jax differentiates (jax.grad, jax.jvp) in a cache variant (fused_kv_norm_rope_into_cache, "
+        "materialize_into_cache)",
+    expected="none (the caches are written in place and carry no gradient: differentiate fused_kv_norm_rope "
+             "or materialize, and write their outputs into the cache)")
 
 
 # Last: the backward's module builds on this one's helpers.

@@ -268,7 +268,7 @@ class FusedKVMaterializer:
           a ``grad_fn``: the GEMM is then autograd's own, on the layers' tensors as they are
           now, into a fresh ``kv`` (``k_out``/``v_out`` are refused).
         """
-        if requires_grad(ctx_hidden, *(t for tensors in self._layer_tensors for t in tensors)):
+        if self._recorded(ctx_hidden):
             return self._materialize_differentiable(ctx_hidden, positions, max_position, k_out, v_out)
         kv, gemm_out = self._workspace_view(ctx_hidden, max_position)
         op_args = (kv, self.k_norm_weight, self.eps, self.cos_sin_cache, positions)
@@ -361,9 +361,15 @@ class FusedKVMaterializer:
         prepared.launch_into_cache(*op_args, k_scale, v_scale, self.v_multiplier, self.layer_rope_table)
         return k_cache, v_cache
 
+    def _recorded(self, ctx_hidden: torch.Tensor) -> bool:
+        """Whether autograd records a call on ``ctx_hidden`` and the layers' tensors."""
+        return requires_grad(ctx_hidden, *(t for tensors in self._layer_tensors for t in tensors))
+
     def _check_unrecorded(self, ctx_hidden: torch.Tensor, method: str) -> None:
         """Refuse a call of ``method`` (whose results carry no gradient) that autograd would record:
         it would drop the gradients of ``ctx_hidden`` and the layers' tensors without a word."""
+        if not self._recorded(ctx_hidden):
+            return
         named = [("ctx_hidden", ctx_hidden)] + [
             (f"layers[{index}].{attribute}", tensor) for index, tensors in enumerate(self._layer_tensors)
             for attribute, tensor in zip(("kv_proj_weight", "kv_proj_bias", "k_norm_weight"), tensors)]

@@ -436,6 +436,13 @@ def fused_kv_norm_rope(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, rope_style,
         k_out, v_out, _tile(block_tokens, block_heads, num_warps), v_multiplier, layer_rope_table,
     )
+    return _run(prepared, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, check_positions,
+                v_multiplier, layer_rope_table)
+
+
+def _run(prepared, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, check_positions: bool,
+         v_multiplier, layer_rope_table) -> tuple[torch.Tensor, torch.Tensor]:
+    """A validated call's launch: through the differentiable op where autograd records it."""
     if requires_grad(kv, k_norm_weight, v_multiplier):
         return prepared.launch_differentiable(kv, k_norm_weight, eps, cos_sin_cache, positions, check_positions,
                                               v_multiplier, layer_rope_table)
@@ -450,13 +457,9 @@ def fused_kv_norm_rope_accepted(accepted: AcceptedCall, kv, k_norm_weight, eps, 
     as ``accepted`` (``interop.core.spec.accept_call``, then ``check_output_buffers``): those
     checks are not run again. Not for other callers: the public function checks everything.
     Differentiable as the public function is."""
-    prepared = _prepared(accepted, kv)
-    if requires_grad(kv, k_norm_weight, v_multiplier):
-        _check_differentiable(kv, k_norm_weight, v_multiplier, k_out, v_out)
-        return prepared.launch_differentiable(kv, k_norm_weight, eps, cos_sin_cache, positions, False, v_multiplier,
-                                              layer_rope_table)
-    return prepared.launch(
-        kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, False, v_multiplier, layer_rope_table)
+    _check_differentiable(kv, k_norm_weight, v_multiplier, k_out, v_out)  # the one check interop does not make
+    return _run(_prepared(accepted, kv), kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, False,
+                v_multiplier, layer_rope_table)
 
 
 @torch.library.custom_op("fusedkv::write_fused_kv_norm_rope_into_cache",
