@@ -37,11 +37,11 @@ from fusedkv_jax.kernel import (
     _head_rows,
     _inverse_rms,
     _launch,
-    _layer_rope,
     _layer_value,
     _load,
     _load_head_rows,
     _load_norm_weight,
+    _rope_of_layers,
     _store,
     _varying_axes,
     refusing_derivatives,
@@ -90,8 +90,9 @@ def _backward_kernel(kv_ref, cos_sin_ref, positions_ref, grad_k_ref, grad_v_ref,
                mask=head_rows.loaded & dims_ok[None, None, :], other=0.0).astype(jnp.float32)
          for columns in (dims, partner)]
     rotatable = (positions >= 0) & (positions < cos_sin_ref.shape[-2])
-    cos, sin, rotatable = _layer_rope(cos_sin_ref, layer_rope_table_ref, positions, in_context, rotatable,
-                                      functools.partial(form.frequencies, head_dim, rotary_dim, rope_style), layer)
+    layer_rope = _rope_of_layers(cos_sin_ref, layer_rope_table_ref, positions, in_context, rotatable,
+                                 functools.partial(form.frequencies, head_dim, rotary_dim, rope_style), 1)
+    cos, sin, rotatable = layer_rope(layer)
     eps = _layer_value(eps_ref, layer)
     inv_rms = _inverse_rms(jnp.sum(x * x, axis=-1, keepdims=True), eps, head_dim, rotatable)
     # rope^T: the rotation by -angle.

@@ -289,18 +289,33 @@ def _load_cos_sin(cos_sin_ref, table, positions, rotated_tokens, frequencies, fr
     return cos.astype(jnp.float32), sin.astype(jnp.float32)
 
 
-def _layer_rope(cos_sin_ref, table_ref, positions, in_context, rotatable, frequencies, layer):
-    """``(cos, sin, rotatable)`` of the tokens in the layer's table (:func:`_load_cos_sin`, at the
-    columns ``frequencies()`` traces): the one table where ``table_ref`` is None (``layer``
-    unused), else table ``layer_rope_table[layer]``, whose tokens are not ``rotatable`` where
-    that index is outside ``[0, n_tables)``."""
-    table = None
-    if table_ref is not None:
+def _rope_of_layers(cos_sin_ref, table_ref, positions, in_context, rotatable, frequencies, block_layers: int):
+    """``layer -> (cos, sin, rotatable)`` of the tokens (:func:`_load_cos_sin`, at the columns
+    ``frequencies()`` traces). The one table's rows are loaded once, for every layer. With
+    per-layer tables, a program of no fewer layers than tables loads each table's rows once
+    and a layer takes its own (no load waits on the layer's table index); a program of fewer
+    layers loads each layer's. A layer whose ``layer_rope_table`` index is outside
+    ``[0, n_tables)`` has no ``rotatable`` token."""
+    def rows(table, tokens):
+        return _load_cos_sin(cos_sin_ref, table, positions, (in_context & tokens)[:, None], *frequencies())
+
+    if table_ref is None:
+        shared = (*rows(None, rotatable), rotatable)
+        return lambda layer: shared
+    n_tables = cos_sin_ref.shape[0]
+    every_table = [rows(table, rotatable) for table in range(n_tables)] if n_tables <= block_layers else None
+
+    def layer_rope(layer):
         table = _layer_value(table_ref, layer)
-        named = (table >= 0) & (table < cos_sin_ref.shape[0])
-        rotatable, table = rotatable & named, jnp.where(named, table, 0)
-    cos, sin = _load_cos_sin(cos_sin_ref, table, positions, (in_context & rotatable)[:, None], *frequencies())
-    return cos, sin, rotatable
+        named = (table >= 0) & (table < n_tables)
+        if every_table is None:
+            return (*rows(jnp.where(named, table, 0), rotatable & named), rotatable & named)
+        cos, sin = every_table[0]
+        for index, (table_cos, table_sin) in enumerate(every_table[1:], start=1):
+            cos, sin = jnp.where(table == index, table_cos, cos), jnp.where(table == index, table_sin, sin)
+        return cos, sin, rotatable & named
+
+    return layer_rope
 
 
 def _inverse_rms(sum_squares, eps, head_dim: int, rotatable):
@@ -375,8 +390,8 @@ def _fused_kv_norm_rope_kernel(
     block_tokens: int, block_layers: int, block_heads: int, interpret: bool,
 ):
     """One ``[block_tokens, block_heads, head_dim]`` tile of K and V for each of
-    ``block_layers`` layers, which share the tile's cos/sin rows (each layer loads its own
-    from its table where there are several).
+    ``block_layers`` layers, which share the tile's cos/sin rows (each table's, where there
+    are several: :func:`_rope_of_layers`).
 
     Refs are whole arrays: ``kv[total_ctx, n_layers, 2*kv_size]``, ``cos_sin[max_pos,
     rotary_dim]`` (or ``[n_tables, max_pos, rotary_dim]`` with ``layer_rope_table[n_layers]``),
@@ -404,9 +419,8 @@ def _fused_kv_norm_rope_kernel(
     layers = [load_layer(first_layer + i) for i in range(min(LAYERS_IN_FLIGHT, block_layers))]
     rotatable = (positions >= 0) & (positions < cos_sin_ref.shape[-2])
     # An out-of-range position (or table index) is never read: its row is masked and becomes NaN.
-    layer_rope = functools.partial(_layer_rope, cos_sin_ref, layer_rope_table_ref, positions, in_context, rotatable,
-                                   functools.partial(k_form.frequencies, head_dim, rotary_dim, rope_style))
-    shared_rope = layer_rope(None) if layer_rope_table_ref is None else None
+    layer_rope = _rope_of_layers(cos_sin_ref, layer_rope_table_ref, positions, in_context, rotatable,
+                                 functools.partial(k_form.frequencies, head_dim, rotary_dim, rope_style), block_layers)
     # Skipped rows point one past the end: masked on the GPU, and dropped (not written
     # back with a stale value) by interpret mode's scatter.
     rows = jnp.where(written, rows, k_dest_ref.shape[1])[:, None, None]
@@ -418,7 +432,7 @@ def _fused_kv_norm_rope_kernel(
         # move them past (it cannot tell kv from the outputs).
         if step + LAYERS_IN_FLIGHT < block_layers:
             layers.append(load_layer(first_layer + step + LAYERS_IN_FLIGHT))
-        cos, sin, rotated = shared_rope if shared_rope is not None else layer_rope(tile.layer)
+        cos, sin, rotated = layer_rope(tile.layer)
         inv_rms = _inverse_rms(tile.k_form.sum_squares(tile.k), tile.eps, head_dim, rotated)
         k = tile.k_form.rope(tile.k, tile.weight, inv_rms, cos, sin)
         v = _multiply_v(tile.v, v_multiplier_ref, tile.layer)

@@ -20,7 +20,8 @@ from fusedkv_jax import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_jax import kernel as jax_kernel
 from fusedkv_jax.kernel import default_lowering
 from interop.core.arrays import numpy_dtype
-from interop.core.reference import fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference
+from interop.core.reference import (fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference,
+                                    rope_cos_sin_cache)
 from interop.core.spec import FusedKVConfig
 from interop.testing import assert_bit_exact, assert_close, random_inputs
 
@@ -138,6 +139,27 @@ def test_programs_that_take_every_layer_match_the_reference(monkeypatch, config,
     k, v = fused_kv_norm_rope_into_cache(*host, slots, k_cache, v_cache, **_static(config), **scales,
                                          block_tokens=2)
     _assert_cache_matches_reference(k, v, host, slots, k_cache, v_cache, scales, config)
+
+
+@pytest.mark.parametrize("layer_rope_table", [[1, 0, 1, 1, 0], [1, -1, 0, 2, 1], [2, 0, 1]],
+                         ids=["each-table-once", "indices-outside", "more-tables-than-layers"])
+def test_programs_that_take_every_layer_rotate_each_by_its_own_table(monkeypatch, layer_rope_table):
+    # A looped program loads each table's rows once where it has no fewer layers than tables,
+    # else each layer's; an index outside the tables gives that layer all-NaN K.
+    monkeypatch.setattr(jax_kernel, "loops_over_layers", lambda *args, **kwargs: True)
+    config = FusedKVConfig(2, 16, 16, "neox")
+    layer_rope_table = np.array(layer_rope_table, np.int32)
+    n_tables = 3 if len(layer_rope_table) == 3 else 2
+    tables = np.stack([rope_cos_sin_cache(64, 16, base) for base in (1e6, 1e4, 5e5)[:n_tables]])
+    host = list(_inputs(config, n_layers=len(layer_rope_table), total_ctx=5, seed=50 + n_tables))
+    host[3] = tables
+    k, v = fused_kv_norm_rope(*host, **_static(config), layer_rope_table=layer_rope_table, block_tokens=2)
+    k_expected, v_expected = fused_kv_norm_rope_reference(*host, **_static(config), layer_rope_table=layer_rope_table)
+    assert_close(k, k_expected)
+    assert_bit_exact(v, v_expected)
+    outside = (layer_rope_table < 0) | (layer_rope_table >= n_tables)
+    assert np.isnan(np.asarray(k, np.float32)[outside]).all()
+    assert not np.isnan(np.asarray(k, np.float32)[~outside]).any()
 
 
 @pytest.mark.parametrize("total_ctx, n_layers, config, looped, tile", [
