@@ -153,15 +153,14 @@ _launcher = DirectLauncher(_fused_kv_norm_rope_backward_kernel)
 
 
 def backward_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, interpret: bool = False) -> tuple[int, int, int]:
-    """``(block_tokens, block_heads, num_warps)`` of the backward: 16 head rows a program (4 tokens
-    of 4 heads where the heads allow) over threads holding 32 elements of each row they read.
-    A program reads K and its gradient and writes the gradient, so it wants more rows in flight
-    than the forward's tiles of about 8; short contexts and the interpreter take the forward's."""
+    """``(block_tokens, block_heads, num_warps)`` of the backward: 16 tokens of one head a
+    program, over threads holding 32 elements of each row they read. A program reads K and
+    its gradient and writes the gradient, so it wants more rows in flight than the forward's
+    tiles of about 8, and rows of one head over 16 tokens ran faster than 4 tokens of 4 heads
+    (BENCHMARKS.md, the backward); short contexts and the interpreter take the forward's."""
     if interpret or total_ctx < _SHORT_CONTEXT_END:
         return default_tile(total_ctx, num_kv_heads, head_dim, interpret=interpret)
-    block_heads = min(4, num_kv_heads & -num_kv_heads)  # the largest power of two dividing the heads, at most 4
-    block_tokens = 16 // block_heads
-    return block_tokens, block_heads, max(1, min(8, 16 * next_power_of_2(head_dim) // 1024))
+    return 16, 1, max(1, min(8, 16 * next_power_of_2(head_dim) // 1024))
 
 
 def launch_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, grad_v, v_multiplier,
@@ -203,13 +202,16 @@ def launch_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, gr
          *_strides(v_multiplier, 1), *_strides(layer_rope_table, 1), *grad_k.stride(), *grad_v.stride(),
          *grad_kv.stride()),
         constexprs, num_warps=num_warps)
-    # The second reduction: each program's row, summed over the token blocks and head groups.
+    # The second reduction: each program's row, summed over the token blocks (the outer axis:
+    # one pass down contiguous columns, where summing two strided axes at once ran several
+    # times slower), then over the head groups.
     grad_weight = kv.new_zeros(weight_shape, dtype=_weight_dtype(k_norm_weight))
     if weight_partials is not None:
-        grad_weight = weight_partials.view(token_blocks, n_layers, head_groups, -1).sum((0, 2)).to(grad_weight.dtype)
+        grad_weight = (weight_partials.view(token_blocks, -1).sum(0).view(n_layers, head_groups, -1).sum(1)
+                       .to(grad_weight.dtype))
     grad_multiplier = kv.new_zeros(multiplier_shape, dtype=torch.float32)
     if multiplier_partials is not None:
-        grad_multiplier = multiplier_partials.view(token_blocks, n_layers, head_groups).sum((0, 2))
+        grad_multiplier = multiplier_partials.view(token_blocks, -1).sum(0).view(n_layers, head_groups).sum(1)
     return grad_kv, grad_weight, grad_multiplier
 
 
