@@ -48,8 +48,7 @@ def graph_replay_seconds(call: Callable[[int], object], input_sets: int, *, rep_
 
     Its capture runs in CUDA's global mode, where another thread's unsafe CUDA call fails
     the capture (or that call): jax's work in the same process is finished before a torch
-    row is timed. On the H200 (2026-12-01, with jax loaded) it measured what this project's
-    own thread-local capture of 16-64 calls did, within 0-5% (BENCHMARKS.md).
+    row is timed.
     """
     import itertools
 
