@@ -296,8 +296,8 @@ def _rope_of_layers(cos_sin_ref, table_ref, positions, in_context, rotatable, fr
     and a layer takes its own (no load waits on the layer's table index); a program of fewer
     layers loads each layer's. A layer whose ``layer_rope_table`` index is outside
     ``[0, n_tables)`` has no ``rotatable`` token."""
-    def rows(table, tokens):
-        return _load_cos_sin(cos_sin_ref, table, positions, (in_context & tokens)[:, None], *frequencies())
+    def rows(table, rotated):
+        return _load_cos_sin(cos_sin_ref, table, positions, (in_context & rotated)[:, None], *frequencies())
 
     if table_ref is None:
         shared = (*rows(None, rotatable), rotatable)

@@ -203,8 +203,8 @@ def launch_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, gr
          *grad_kv.stride()),
         constexprs, num_warps=num_warps)
     # The second reduction: each program's row, summed over the token blocks (the outer axis:
-    # one pass down contiguous columns, where summing two strided axes at once ran several
-    # times slower), then over the head groups.
+    # one pass down contiguous columns; two strided axes at once ran slower), then over the
+    # head groups.
     grad_weight = kv.new_zeros(weight_shape, dtype=_weight_dtype(k_norm_weight))
     if weight_partials is not None:
         grad_weight = (weight_partials.view(token_blocks, -1).sum(0).view(n_layers, head_groups, -1).sum(1)
