@@ -23,7 +23,7 @@ import torch
 
 # The op in its two steps, so that a bad call is rejected before the GEMM launches.
 from fusedkv_torch.modules import module_layers
-from fusedkv_torch.ops import fused_kv_norm_rope, prepare_cache_call, prepare_call, requires_grad
+from fusedkv_torch.ops import fused_kv_norm_rope, prepare_cache_call, prepare_call, refuse_recorded, requires_grad
 from interop.core.checkpoint import read_checkpoint_layers
 from interop.core.materializer import (FP8_E4M3_MAX, MIN_ACTIVATION_AMAX, LayerKV, stacked_rope_tables,
                                       validate_layers, validate_materialize, validate_reserve)
@@ -351,8 +351,8 @@ class FusedKVMaterializer:
           ``(k_cache, v_cache)`` as given, written in place.
         """
         stacked_k, stacked_v = _stacked_cache(k_cache, "k_cache"), _stacked_cache(v_cache, "v_cache")
+        self._check_unrecorded(ctx_hidden, "materialize_into_cache")  # before the workspace can grow
         kv, gemm_out = self._workspace_view(ctx_hidden, max_position)
-        self._check_unrecorded(ctx_hidden, "materialize_into_cache")
         op_args = (kv, self.k_norm_weight, self.eps, self.cos_sin_cache, positions,
                    cache_loc, stacked_k, stacked_v)
         prepared = prepare_cache_call(*op_args, *self._op_static, k_scale, v_scale, v_multiplier=self.v_multiplier,
@@ -370,15 +370,10 @@ class FusedKVMaterializer:
         it would drop the gradients of ``ctx_hidden`` and the layers' tensors without a word."""
         if not self._recorded(ctx_hidden):
             return
-        named = [("ctx_hidden", ctx_hidden)] + [
+        refuse_recorded([("ctx_hidden", ctx_hidden)] + [
             (f"layers[{index}].{attribute}", tensor) for index, tensors in enumerate(self._layer_tensors)
-            for attribute, tensor in zip(("kv_proj_weight", "kv_proj_bias", "k_norm_weight"), tensors)]
-        for name, tensor in named:
-            if requires_grad(tensor):
-                raise ValueError(
-                    f"Invalid {name} for fused KV materialization: got a tensor that requires grad for {method}, "
-                    "expected one that does not (its results carry no gradient: call it under torch.no_grad(), "
-                    "or differentiate materialize).")
+            for attribute, tensor in zip(("kv_proj_weight", "kv_proj_bias", "k_norm_weight"), tensors)],
+            method, "its results carry no gradient: call it under torch.no_grad(), or differentiate materialize")
 
     def _grow_workspace(self, numel: int) -> None:
         workspace = _grown(self._workspace, numel, "GEMM workspace")

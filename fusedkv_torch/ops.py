@@ -311,16 +311,21 @@ def prepare_cache_call(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_l
     return prepared
 
 
-def _check_unrecorded(kv, k_norm_weight, v_multiplier) -> None:
-    """Refuse a cache call autograd would record: the caches are written in place and carry
-    no gradient, which would drop the inputs' without a word."""
-    for name, tensor in (("kv", kv), ("k_norm_weight", k_norm_weight), ("v_multiplier", v_multiplier)):
+def refuse_recorded(named_tensors, function: str, reason: str) -> None:
+    """Refuse a call of ``function``, whose results carry no gradient (``reason``), on the first
+    of ``named_tensors`` (``(name, tensor)`` pairs) that autograd would record: it would drop
+    that tensor's gradient without a word."""
+    for name, tensor in named_tensors:
         if requires_grad(tensor):
-            raise ValueError(
-                f"Invalid {name} for fused KV materialization: got a tensor that requires grad for "
-                "fused_kv_norm_rope_into_cache, expected one that does not (the caches are written in place "
-                "and carry no gradient: call it under torch.no_grad(), or differentiate fused_kv_norm_rope "
-                "and write its outputs into the cache).")
+            raise ValueError(f"Invalid {name} for fused KV materialization: got a tensor that requires grad for "
+                             f"{function}, expected one that does not ({reason}).")
+
+
+def _check_unrecorded(kv, k_norm_weight, v_multiplier) -> None:
+    refuse_recorded((("kv", kv), ("k_norm_weight", k_norm_weight), ("v_multiplier", v_multiplier)),
+                    "fused_kv_norm_rope_into_cache",
+                    "the caches are written in place and carry no gradient: call it under torch.no_grad(), "
+                    "or differentiate fused_kv_norm_rope and write its outputs into the cache")
 
 
 def _check_positions_in_range(positions: torch.Tensor, max_position: int) -> None:

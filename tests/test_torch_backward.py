@@ -357,6 +357,8 @@ def test_materializer_calls_without_gradients_refuse_what_autograd_would_record(
     with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
         call()
     assert all((c == 7).all() for c in caches) and not written
+    # Refused before the materializer grows a buffer for the call.
+    assert materializer._workspace.numel() == materializer._staging.numel() == 0
     with torch.no_grad():
         call()
     assert len(written) == 2 if method == "materialize_layers" else not (caches[0][:, 1] == 7).any()
