@@ -37,14 +37,15 @@ Tiling: one program per (block of ``block_tokens`` tokens, layer, block of
 column runs padded to powers of two and masked. At long contexts
 (:func:`loops_over_layers`) a program takes every layer of its tokens instead: it loads
 their cos/sin rows once for all layers, and issues the next layer's loads before it
-stores a layer. With every head in the block (the default), a program reads contiguous
-K and V rows of ``kv`` and, without a cache, writes one contiguous chunk of each output;
-the cos/sin rows are loaded once per token and shared by all heads. ``neox`` K that is
-rotated whole is loaded as its two rotary halves, so each element meets its RoPE
-partner in registers. ``gptj``'s interleaved pairs are no run of columns, and ``neox``
-halves beside an unrotated tail are runs too narrow for wide loads: such K rows are
-loaded whole and again at permuted columns (an L1-resident second load) for the
-partners (:func:`loads_k_rows`).
+stores a layer. With every head in the block, a program reads contiguous K and V rows
+of ``kv`` and, without a cache, writes one contiguous chunk of each output; the cos/sin
+rows are loaded once per token and shared by all heads. ``neox`` K that is rotated whole
+is loaded as its two rotary halves, so each element meets its RoPE partner in
+registers. ``gptj``'s interleaved pairs are no run of columns, and ``neox`` halves beside
+an unrotated tail are runs too narrow for wide loads: such K rows are loaded whole and
+again at permuted columns (an L1-resident second load) for the partners
+(:func:`loads_k_rows`). By default a block holds every head, but at most four where K
+is loaded as rows (:func:`tile_heads`).
 """
 
 from __future__ import annotations
@@ -97,6 +98,10 @@ _LAYER_LOOP_TILE_ELEMENTS = 512
 # least this wide: such halves run faster on half the warps, narrower halves and whole
 # rows slower (BENCHMARKS.md).
 _LAYER_LOOP_WIDE_HALF = 128
+# A tile that loads K as rows (loads_k_rows) takes at most this many heads: swept on the
+# shape grid's fit half (head_dim 80-256, 16-32 heads), four ran as fast as every head or
+# faster, fewer ran slower; one-layer calls at the longest contexts lose a little (BENCHMARKS.md).
+_K_ROWS_TILE_HEADS = 4
 # Layers whose loads a looping program has issued before it stores one: more in flight
 # cost registers and lose.
 LAYERS_IN_FLIGHT = 2
@@ -462,6 +467,13 @@ def loops_over_layers(total_ctx: int, n_layers: int, num_kv_heads: int, head_dim
     return pl.cdiv(total_ctx, block_tokens) >= _ONE_WAVE_PROGRAMS_PER_MULTIPROCESSOR * _multiprocessors()
 
 
+def tile_heads(num_kv_heads: int, *, k_rows: bool, interpret: bool = False) -> int:
+    """The heads of a tile: all of them (as a power of two), but at most
+    ``_K_ROWS_TILE_HEADS`` where the kernel loads K as rows (``interpret``: all)."""
+    heads = pl.next_power_of_2(num_kv_heads)
+    return heads if interpret or not k_rows else min(heads, _K_ROWS_TILE_HEADS)
+
+
 def default_tile(total_ctx: int, n_layers: int, num_kv_heads: int, head_dim: int, *,
                  rotary_dim: int | None = None, rope_style: str = "neox",
                  block_tokens: int | None = None, block_heads: int | None = None,
@@ -477,8 +489,9 @@ def default_tile(total_ctx: int, n_layers: int, num_kv_heads: int, head_dim: int
                             ("num_warps", num_warps)))
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
     block_dim = pl.next_power_of_2(head_dim)
+    k_rows = loads_k_rows(FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style))
     if block_heads is None:
-        block_heads = pl.next_power_of_2(num_kv_heads)
+        block_heads = tile_heads(num_kv_heads, k_rows=k_rows, interpret=interpret)
     layer_loop = loops_over_layers(total_ctx, n_layers, num_kv_heads, head_dim, interpret=interpret)
     layer_blocks = 1 if layer_loop else n_layers
 
@@ -494,7 +507,6 @@ def default_tile(total_ctx: int, n_layers: int, num_kv_heads: int, head_dim: int
         while block_tokens > 1 and programs(block_tokens) < enough_programs:
             block_tokens //= 2
     if num_warps is None:
-        k_rows = loads_k_rows(FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style))
         run = pl.next_power_of_2(head_dim if k_rows else rotary_dim // 2)
         run_elements_per_thread = _RUN_ELEMENTS_PER_THREAD[rope_style]
         if layer_loop and not k_rows and run >= _LAYER_LOOP_WIDE_HALF:

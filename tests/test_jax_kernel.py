@@ -457,6 +457,45 @@ def test_gpu_tile_overrides_agree(block_tokens, block_heads, num_warps):
     _assert_matches_reference(k, v, host, DRAFT)
 
 
+@pytest.mark.parametrize("total_ctx, n_layers, config, tile", [
+    # K as rows (gptj, or a partial neox rotary): at most 4 heads a tile, whatever head_dim,
+    # the threads then as for any tile (looped programs of gptj rows on 2 warps).
+    (4096, 5, FusedKVConfig(16, 192, 192, "gptj"), (1, 4, 2)),
+    (16, 3, FusedKVConfig(16, 256, 128, "neox"), (1, 4, 8)),
+    (4096, 3, FusedKVConfig(32, 80, 40, "neox"), (1, 4, 4)),
+    (4096, 5, FusedKVConfig(6, 64, 64, "gptj"), (2, 4, 1)),  # 6 heads: tiles of 4 (the second ragged), 2 tokens
+    (4096, 5, FusedKVConfig(2, 64, 64, "gptj"), None),  # 2 heads: all of them
+    # K in its neox halves: every head in one tile, however many.
+    (4096, 3, FusedKVConfig(32, 256, 256, "neox"), (1, 32, 8)),
+])
+def test_tiles_that_load_k_as_rows_take_at_most_four_heads(monkeypatch, total_ctx, n_layers, config, tile):
+    monkeypatch.setattr(jax_kernel, "_multiprocessors", lambda: 132)  # an H200's
+    shape = (total_ctx, n_layers, config.num_kv_heads, config.head_dim)
+    chosen = jax_kernel.default_tile(*shape, rotary_dim=config.rotary_dim, rope_style=config.rope_style)
+    every_head = 1 << (config.num_kv_heads - 1).bit_length()
+    assert chosen[1] == min(every_head, 4) if jax_kernel.loads_k_rows(config) else every_head
+    if tile is not None:
+        assert chosen == tile
+    interpreted = jax_kernel.default_tile(*shape, rotary_dim=config.rotary_dim, rope_style=config.rope_style,
+                                          interpret=True)
+    assert interpreted[1] == every_head  # interpreted: few, large programs
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("config, n_layers, total_ctx", [
+    (FusedKVConfig(16, 192, 192, "gptj"), 5, 1000),
+    (FusedKVConfig(6, 80, 40, "neox"), 3, 517),  # ragged heads: tiles of 4
+    (FusedKVConfig(16, 256, 128, "neox"), 3, 3),
+], ids=lambda value: f"h{value.num_kv_heads}d{value.head_dim}r{value.rotary_dim}{value.rope_style}"
+   if isinstance(value, FusedKVConfig) else str(value))
+def test_gpu_tiles_of_fewer_heads_than_the_call_agree(config, n_layers, total_ctx):
+    host = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, max_position=4096, seed=27 + total_ctx)
+    k, v = fused_kv_norm_rope(*(jax.device_put(a) for a in host), **_static(config))
+    _assert_matches_reference(k, v, host, config)
+
+
 # The Mosaic GPU lowering (lowering="mosaic_gpu"): interpret mode on the CPU (jax 0.10.2's
 # Mosaic GPU interpreter copies whole 64-token blocks only), odd contexts on a GPU.
 
