@@ -481,6 +481,39 @@ def test_tiles_that_load_k_as_rows_take_at_most_four_heads(monkeypatch, total_ct
     assert interpreted[1] == every_head  # interpreted: few, large programs
 
 
+def _triton_calls_lowered_for_a_gpu(call, *args) -> list[str]:
+    """The Triton custom calls of ``call`` lowered for CUDA (jax's cross-platform lowering:
+    the Pallas kernel becomes Triton IR on any machine, no GPU needed)."""
+    text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return [target for target in re.findall(r"custom_call @([\w$.]+)", text) if "triton" in target]
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("config, n_layers, total_ctx", [
+    (FusedKVConfig(8, 128, 128, "neox"), 5, 4096),  # K in halves, programs of every layer
+    (FusedKVConfig(4, 128, 64, "neox"), 3, 256),  # K as rows beside an unrotated tail
+    (FusedKVConfig(16, 192, 192, "gptj"), 5, 1000),  # gptj, tiles of 4 of the 16 heads
+    (FusedKVConfig(1, 80, 40, "gptj"), 1, 7),
+], ids=lambda value: f"h{value.num_kv_heads}d{value.head_dim}r{value.rotary_dim}{value.rope_style}"
+   if isinstance(value, FusedKVConfig) else str(value))
+def test_every_form_of_the_kernel_lowers_to_one_triton_call_without_a_gpu(monkeypatch, config, n_layers, total_ctx):
+    monkeypatch.setattr(jax_kernel, "_multiprocessors", lambda: 132)  # the tiles of an H200
+    host = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, max_position=4096, seed=3)
+    plain = functools.partial(fused_kv_norm_rope, **_static(config), interpret=False)
+    assert len(_triton_calls_lowered_for_a_gpu(plain, *host)) == 1
+    kv = host[0]
+    with_options = functools.partial(plain, v_multiplier=np.full(n_layers, 0.5, np.float32),
+                                     layer_rope_table=np.arange(n_layers, dtype=np.int32) % 2)
+    assert len(_triton_calls_lowered_for_a_gpu(with_options, kv, host[1], host[2],
+                                               np.stack([host[3], host[3]]), host[4])) == 1
+    slots = np.arange(total_ctx, dtype=np.int32)[::-1].copy()
+    cache = np.zeros((n_layers, total_ctx + 3, config.num_kv_heads, config.head_dim), ml_dtypes.float8_e4m3fn)
+    scales = np.ones(n_layers, np.float32)
+    into_cache = functools.partial(fused_kv_norm_rope_into_cache, **_static(config), interpret=False)
+    assert len(_triton_calls_lowered_for_a_gpu(
+        lambda *args: into_cache(*args, k_scale=scales, v_scale=scales), *host, slots, cache, cache)) == 1
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
