@@ -343,8 +343,6 @@ def _fused_kv_norm_rope_kernel(
                      k_inverse_scale, BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ)
 
 
-
-
 def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: int = 1,
                  multiprocessors: Optional[int] = None, interpret: bool = False) -> tuple[int, int, int]:
     """``(block_tokens, block_heads, num_warps)`` for a call of this size.

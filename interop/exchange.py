@@ -43,7 +43,6 @@ from interop.core.spec import DLPACK_DEVICE_NAMES, SATURATED_INDEX_RANGE, dtype_
 from interop.jaxlib_dlpack import import_buffer
 
 
-
 def to_torch(array):
     """A torch tensor over the same memory (see the module docstring for the exceptions)."""
     import torch

@@ -117,7 +117,6 @@ class TorchBackend(Backend):
         return hidden @ weight.t()
 
 
-
 class JaxBackend(Backend):
     name = "jax"
     takes = ("a jax or NumPy array (fusedkv_jax takes jax and NumPy arrays; interop.fused_kv_norm_rope takes "

@@ -152,7 +152,6 @@ class CacheCase:
                 if dtype == FP8}
 
 
-
 def poisoned(shape, dtype: str, *, seed: int) -> np.ndarray:
     """Values the op never writes, with NaN in every third row of the second axis (a cache
     slot, an output token): what is not written must come back bit for bit, values and NaN

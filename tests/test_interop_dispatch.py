@@ -356,7 +356,6 @@ def test_a_call_that_passed_before_does_not_let_a_bad_one_through():
     assert bool((bad == 3.0).all())
 
 
-
 def _refused_before_any_backend_runs(monkeypatch, error, message, *args, **kwargs):
     """Call interop with a spy on both backends; the call must raise ``message`` and run neither."""
     ran = []

@@ -228,7 +228,6 @@ def test_shard_map_over_heads_into_caches_split_by_heads():
     assert_bit_exact(v, v_expected, name="v_cache")
 
 
-
 def test_grad_inside_shard_map_over_tokens_matches_the_reference_backward():
     # A data-parallel training step: each device differentiates the op on its tokens, and
     # the weight's gradient is the sum of the devices' (psum), as over the whole context.
