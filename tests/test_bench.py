@@ -1382,6 +1382,31 @@ def test_from_json_reports_the_rows_of_several_runs_as_one_grid(tmp_path, capsys
     assert "missed by 15.0 points" in capsys.readouterr().out
 
 
+def test_from_json_takes_a_row_measured_again_from_the_later_part(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    rows, (fit, held_out, _) = _grid_rows()
+    base = dict(devices={"torch": "Test GPU"}, versions={"python": "3.12.0"}, dtype="bfloat16",
+                copy_ceiling=[4100.0, "a 1 GiB copy"])
+    first = [m for m in rows if m.shape in (fit, held_out)]
+    again = next(m for m in first if m.shape == fit and m.implementation == "triton" and m.seconds)
+    remeasured = dataclasses.replace(again, seconds=again.seconds / 2, method="graph replay, again")
+    paths = []
+    for index, (part, names) in enumerate(((first, [fit, held_out]), ([remeasured], [fit]))):
+        meta = dict(base, command=f"part {index}", shapes=names, grid=dict(seed=27, configurations=names, skipped=[]))
+        write_data(annotate(part), tmp_path / f"part{index}", meta)
+        paths.append(str(tmp_path / f"part{index}" / "bench.json"))
+    args = _parser().parse_args(["--from-json", ",".join(paths), "--out", str(tmp_path / "all")])
+    run_bench_command(args)
+    assert "1 rows of earlier parts replaced by a later part's row" in capsys.readouterr().out
+    merged = json.loads((tmp_path / "all" / "bench.json").read_text())["rows"]
+    assert len(merged) == len(first)
+    key = (again.shape, again.implementation, again.tokens)
+    [row] = [r for r in merged if (r["shape"], r["implementation"], r["tokens"]) == key]
+    assert row["us"] == pytest.approx(again.seconds / 2 * 1e6) and row["method"] == "graph replay, again"
+    assert [(r["shape"], r["implementation"], r["tokens"]) for r in merged] == [
+        (m.shape, m.implementation, m.tokens) for m in first]  # each row where it first stood
+
+
 def test_from_json_refuses_paths_that_are_not_files(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         _parser().parse_args(["--from-json", str(tmp_path / "none.json")])

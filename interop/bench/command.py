@@ -178,7 +178,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                              "leaves out, then exit; needs no GPU")
     parser.add_argument("--from-json", type=_path_list, default=None, metavar="PATHS",
                         help="no run: the tables, plots and markdown of the rows of these bench.json files "
-                             "together (comma-separated), such as the parts of a grid run")
+                             "together (comma-separated), such as the parts of a grid run; a later file's row "
+                             "replaces an earlier one of the same shape, dtype, implementation and tokens")
     parser.add_argument("--quick", action="store_true",
                         help="four token counts and fewer samples per row (a few minutes for one shape)")
     parser.add_argument("--max-calls-per-jit", type=_positive_int, default=None, metavar="N",
@@ -331,16 +332,32 @@ def dry_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def latest_rows(parts: list[list]) -> tuple[list, int]:
+    """The measurements of ``parts`` (each a run's, in order), a later run's row replacing an
+    earlier one of the same shape, dtype, implementation and token count (a row measured
+    again, after a change); each row where it first stood. Also how many were replaced."""
+    latest: dict[tuple, object] = {}
+    for rows in parts:
+        for row in rows:
+            latest[(row.shape, row.dtype, row.implementation, row.tokens)] = row
+    order = dict.fromkeys((row.shape, row.dtype, row.implementation, row.tokens) for rows in parts for row in rows)
+    return [latest[key] for key in order], sum(map(len, parts)) - len(order)
+
+
 def from_json(args: argparse.Namespace) -> int:
-    """``--from-json``: one report of the rows of earlier runs, under the first run's devices and
-    packages, the fastest 1 GiB copy of any of them, and each run's command."""
+    """``--from-json``: one report of the rows of earlier runs (:func:`latest_rows`), under the
+    first run's devices and packages, the fastest 1 GiB copy of any of them, and each run's command."""
     from interop.bench.report import read_data
 
-    metas, measurements = [], []
+    metas, parts = [], []
     for path in args.from_json:
         meta, rows = read_data(path)
         metas.append(meta)
-        measurements += rows
+        parts.append(rows)
+    measurements, replaced = latest_rows(parts)
+    if replaced:
+        print(f"{replaced} rows of earlier parts replaced by a later part's row of the same shape, dtype, "
+              "implementation and token count", flush=True)
     copies = [tuple(meta["copy_ceiling"]) for meta in metas if meta.get("copy_ceiling", [None])[0] is not None]
     meta = dict(metas[0], command=command_line(args), parts=[meta["command"] for meta in metas],
                 shapes=list(dict.fromkeys(name for meta in metas for name in meta["shapes"])))
