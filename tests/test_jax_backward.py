@@ -181,6 +181,23 @@ def test_jax_backward_keeps_the_forwards_tile_with_16_elements_a_thread(tile, he
     assert backward_tile(*tile, head_dim) == (*tile, warps)
 
 
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("config", [FusedKVConfig(2, 64, 64, "neox"), FusedKVConfig(4, 128, 64, "neox"),
+                                    FusedKVConfig(16, 192, 192, "gptj")], ids=str)
+def test_a_training_step_lowers_to_the_forward_and_backward_triton_calls_without_a_gpu(config):
+    # jax's cross-platform lowering for CUDA runs the Pallas Triton lowering on any machine.
+    (kv, weight, eps, cache, positions), _, multiplier = _inputs(config, n_layers=3, total_ctx=37, seed=16)
+
+    def loss(kv, weight, multiplier):
+        k, v = fusedkv_jax.fused_kv_norm_rope(kv, weight, eps, cache, positions, **_static(config),
+                                              v_multiplier=multiplier, interpret=False)
+        return jnp.sum(k * k) + jnp.sum(v * v)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    text = step.trace(kv, weight, multiplier).lower(lowering_platforms=("cuda",)).as_text()
+    assert len([target for target in re.findall(r"custom_call @([\w$.]+)", text) if "triton" in target]) == 2
+
+
 def test_jax_gradients_after_the_mosaic_lowerings_forward_are_the_triton_lowerings():
     # Mosaic GPU has no backward kernel: the Triton lowering's runs after either forward.
     config = FusedKVConfig(1, 32, 32, "neox")
