@@ -604,6 +604,29 @@ def test_the_floor_rows_copy_k_and_v_bit_for_bit_and_are_timed(looped, monkeypat
         assert measurement.check == "ok" and measurement.seconds is not None
 
 
+@pytest.mark.parametrize("config", [FusedKVConfig(16, 192, 192, "gptj"), FusedKVConfig(32, 256, 256, "neox")],
+                         ids=str)
+def test_the_floor_takes_the_kernels_tile_of_the_same_rope_style(config, monkeypatch):
+    jax = pytest.importorskip("jax")
+    from fusedkv_jax import kernel as pallas_kernel
+    from interop.bench import floors
+
+    monkeypatch.setattr(pallas_kernel, "_multiprocessors", lambda: 132)  # the tiles of an H200
+    taken = []
+    monkeypatch.setattr(pallas_kernel, "on_cpu", lambda kv: False)  # the GPU's tile, traced only
+    monkeypatch.setattr(floors.pl, "pallas_call", lambda kernel, **options: taken.append(options) or (
+        lambda *args: [jax.ShapeDtypeStruct(args[3].shape, args[3].dtype)] * 2))
+    kv = jax.ShapeDtypeStruct((4096, 5, 2 * config.num_kv_heads * config.head_dim), jax.numpy.bfloat16)
+    dest = jax.ShapeDtypeStruct((5, 4096, config.num_kv_heads, config.head_dim), jax.numpy.bfloat16)
+    floors.copy(kv, None, None, dest, dest, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                rotary_dim=config.rotary_dim, rope_style=config.rope_style, cos_sin=False)
+    block_tokens, block_heads, num_warps = pallas_kernel.default_tile(
+        4096, 5, config.num_kv_heads, config.head_dim, rotary_dim=config.rotary_dim, rope_style=config.rope_style)
+    [options] = taken
+    assert options["grid"][2] == -(-config.num_kv_heads // block_heads)
+    assert options["compiler_params"].num_warps == num_warps
+
+
 def test_the_floor_check_fails_outputs_that_are_not_k_and_v():
     jnp = pytest.importorskip("jax.numpy")
     from interop.bench.floors import copy_verdict

@@ -69,7 +69,7 @@ def copy_kernel(kv_ref, cos_sin_ref, positions_ref, k_dest_ref, v_dest_ref, k_ou
 
 
 def copy(kv, cos_sin_cache, positions, k_dest, v_dest, *, num_kv_heads: int, head_dim: int, rotary_dim: int,
-         cos_sin: bool):
+         rope_style: str, cos_sin: bool):
     """``k_dest``/``v_dest`` (aliased, so donated ones are written in place) holding K and V
     of ``kv`` as ``[n_layers, total_ctx, num_kv_heads, head_dim]``, in the production
     kernel's default tile and grid, its programs taking every layer where the kernel's
@@ -79,7 +79,7 @@ def copy(kv, cos_sin_cache, positions, k_dest, v_dest, *, num_kv_heads: int, hea
     total_ctx, n_layers, _ = kv.shape
     interpret = pallas_kernel.on_cpu(kv)
     block_tokens, block_heads, num_warps = pallas_kernel.default_tile(
-        total_ctx, n_layers, num_kv_heads, head_dim, rotary_dim=rotary_dim, interpret=interpret)
+        total_ctx, n_layers, num_kv_heads, head_dim, rotary_dim=rotary_dim, rope_style=rope_style, interpret=interpret)
     looped = pallas_kernel.loops_over_layers(total_ctx, n_layers, num_kv_heads, head_dim, interpret=interpret)
     block_layers = n_layers if looped else 1
     kernel = functools.partial(copy_kernel, num_kv_heads=num_kv_heads, head_dim=head_dim,

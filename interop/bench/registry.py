@@ -243,7 +243,7 @@ def _pallas_floor(workload: Workload, *, cos_sin: bool) -> Steps:
     def step(fixed, varying, outputs):
         kv, positions = varying
         return tuple(floors.copy(kv, fixed[2], positions, *outputs, **static, rotary_dim=config.rotary_dim,
-                                 cos_sin=cos_sin))
+                                 rope_style=config.rope_style, cos_sin=cos_sin))
 
     steps = op_steps(workload, step)
     return dataclasses.replace(steps, check=lambda outputs, i: floors.copy_verdict(
