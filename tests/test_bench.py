@@ -1107,6 +1107,40 @@ def test_rounds_time_every_row_once_a_round_in_alternating_order_and_report_the_
     assert c.check == "FAIL: wrong" and c.seconds is None
 
 
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_each_row_records_the_host_time_its_check_and_timing_took(monkeypatch, rounds):
+    pytest.importorskip("jax")
+    import time
+
+    from interop.bench import runner
+
+    monkeypatch.setattr(runner, "host_seconds_per_call", lambda call, sets, **options: time.sleep(0.05) or 1e-6)
+
+    def checked_in(seconds, verdict="ok"):
+        return lambda workload: Calls(lambda i: None, 1, 0, lambda: time.sleep(seconds) or verdict)
+
+    slow, failing = (Implementation(name, "jax", "host", prepare, clock="host") for name, prepare in
+                     (("slow", checked_in(0.1)), ("failing", checked_in(0.02, "FAIL: wrong"))))
+    timed, untimed = run(plan([TINY], [3], [slow, failing]), dtype="bfloat16", framework="jax", effort=ONCE,
+                         rounds=rounds)
+    assert 0.1 + rounds * 0.05 <= timed.wall_seconds < 1.0 + rounds * 0.05
+    assert 0.02 <= untimed.wall_seconds < 0.5 and untimed.seconds is None
+
+
+def test_a_bench_json_written_before_a_field_existed_reads_with_its_default(tmp_path):
+    from interop.bench.report import read_data
+
+    write_data(annotate(FIXED, CEILING), tmp_path, {"devices": {}})
+    document = json.loads((tmp_path / "bench.json").read_text())
+    for record in document["rows"]:
+        del record["wall_seconds"]
+    (tmp_path / "bench.json").write_text(json.dumps(document))
+    _, rows = read_data(tmp_path / "bench.json")
+    assert [(m.implementation, m.tokens) for m in rows] == [(m.implementation, m.tokens) for m in FIXED]
+    assert [m.seconds for m in rows] == pytest.approx([m.seconds for m in FIXED])
+    assert all(m.wall_seconds == 0.0 for m in rows)
+
+
 def test_cache_slots_are_distinct_and_inside_the_cache():
     pytest.importorskip("jax")
     from interop.bench.workload import Workload

@@ -46,7 +46,9 @@ class Measurement:
     """One implementation at one shape, dtype and token count; ``seconds`` is None when it
     failed its check (``check`` says why) or raised (``error``). ``gemm``: the row its time
     is compared with (materializers); ``rounds``: each round's seconds, ``seconds`` their
-    median, where rows were timed in alternated rounds."""
+    median, where rows were timed in alternated rounds; ``wall_seconds``: the host time the
+    run spent on the row, its inputs' upload aside (check, compiles and timing: where a
+    run's time goes)."""
 
     shape: str
     dtype: str
@@ -65,6 +67,7 @@ class Measurement:
     does_op: bool = True
     gemm: str = ""
     rounds: tuple = ()
+    wall_seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -292,8 +295,10 @@ def write_data(rows: list[Annotated], out_dir: pathlib.Path, meta: dict) -> list
 def read_data(path: pathlib.Path) -> tuple[dict, list[Measurement]]:
     """The ``meta`` and the measurements of a ``bench.json`` that :func:`write_data` wrote."""
     document = json.loads(pathlib.Path(path).read_text())
-    names = {field.name for field in dataclasses.fields(Measurement)} - {"seconds", "rounds"}
-    measurements = [Measurement(**{name: record[name] for name in names},
+    fields = [field for field in dataclasses.fields(Measurement) if field.name not in ("seconds", "rounds")]
+    # A field added since a file was written takes its default.
+    measurements = [Measurement(**{field.name: record[field.name] for field in fields
+                                   if field.name in record or field.default is dataclasses.MISSING},
                                 seconds=None if record["us"] is None else record["us"] * 1e-6,
                                 rounds=tuple(value * 1e-6 for value in record["us_rounds"]))
                     for record in document["rows"]]

@@ -41,6 +41,7 @@ import itertools
 import math
 import re
 import statistics
+import time
 import traceback
 from typing import Callable
 
@@ -217,15 +218,16 @@ def measure(implementation: Implementation, workload: Workload | None, effort: E
             on_error: Callable[[Measurement, str], None] | None = None) -> Measurement:
     """One row, checked and timed once; ``workload`` None when drawing it failed (the row records that error)."""
     identity = _identity(implementation, shape, total_ctx, dtype)
+    start = time.perf_counter()
     ready, failed = _attempt(identity, _missing_inputs if workload is None else
                              lambda: _ready(implementation, workload, effort), on_error)
-    if failed is not None:
-        return failed
-    found, timer = ready
-    if timer is None:
-        return _measured(identity, found, [])
-    timing, failed = _attempt(identity, timer, on_error)
-    return failed if failed is not None else _measured(identity, found, [timing])
+    row = failed
+    if row is None and ready[1] is None:
+        row = _measured(identity, ready[0], [])
+    elif row is None:
+        timing, failed = _attempt(identity, ready[1], on_error)
+        row = failed or _measured(identity, ready[0], [timing])
+    return dataclasses.replace(row, wall_seconds=time.perf_counter() - start)
 
 
 def measure_rounds(implementations: list[Implementation], workload: Workload | None, effort: Effort, rounds: int,
@@ -235,15 +237,20 @@ def measure_rounds(implementations: list[Implementation], workload: Workload | N
     rows = []
     for implementation in implementations:
         identity = _identity(implementation, shape, total_ctx, dtype)
+        start = time.perf_counter()
         ready, failed = _attempt(identity, _missing_inputs if workload is None else
                                  lambda: _ready(implementation, workload, effort), on_error)
-        rows.append(dict(identity=identity, ready=ready, failed=failed, timings=[]))
+        rows.append(dict(identity=identity, ready=ready, failed=failed, timings=[],
+                         wall=time.perf_counter() - start))
     for index in range(rounds):
         for row in rows if index % 2 == 0 else rows[::-1]:
             if row["failed"] is None and row["ready"][1] is not None:
+                start = time.perf_counter()
                 timing, row["failed"] = _attempt(row["identity"], row["ready"][1], on_error)
                 row["timings"].append(timing)
-    return [row["failed"] or _measured(row["identity"], row["ready"][0], row["timings"]) for row in rows]
+                row["wall"] += time.perf_counter() - start
+    return [dataclasses.replace(row["failed"] or _measured(row["identity"], row["ready"][0], row["timings"]),
+                                wall_seconds=row["wall"]) for row in rows]
 
 
 def _release_device_memory() -> None:
