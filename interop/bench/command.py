@@ -338,10 +338,9 @@ def latest_rows(parts: list[list]) -> tuple[list, int]:
     again, after a change); each row where it first stood. Also how many were replaced."""
     latest: dict[tuple, object] = {}
     for rows in parts:
-        for row in rows:
+        for row in rows:  # a key assigned again keeps its place
             latest[(row.shape, row.dtype, row.implementation, row.tokens)] = row
-    order = dict.fromkeys((row.shape, row.dtype, row.implementation, row.tokens) for rows in parts for row in rows)
-    return [latest[key] for key in order], sum(map(len, parts)) - len(order)
+    return list(latest.values()), sum(map(len, parts)) - len(latest)
 
 
 def from_json(args: argparse.Namespace) -> int:

@@ -217,17 +217,22 @@ def measure(implementation: Implementation, workload: Workload | None, effort: E
             shape: BenchShape, total_ctx: int, dtype: str,
             on_error: Callable[[Measurement, str], None] | None = None) -> Measurement:
     """One row, checked and timed once; ``workload`` None when drawing it failed (the row records that error)."""
-    identity = _identity(implementation, shape, total_ctx, dtype)
     start = time.perf_counter()
+    row = _checked_and_timed(implementation, workload, effort, _identity(implementation, shape, total_ctx, dtype),
+                             on_error)
+    return dataclasses.replace(row, wall_seconds=time.perf_counter() - start)
+
+
+def _checked_and_timed(implementation, workload, effort, identity: dict, on_error) -> Measurement:
     ready, failed = _attempt(identity, _missing_inputs if workload is None else
                              lambda: _ready(implementation, workload, effort), on_error)
-    row = failed
-    if row is None and ready[1] is None:
-        row = _measured(identity, ready[0], [])
-    elif row is None:
-        timing, failed = _attempt(identity, ready[1], on_error)
-        row = failed or _measured(identity, ready[0], [timing])
-    return dataclasses.replace(row, wall_seconds=time.perf_counter() - start)
+    if failed is not None:
+        return failed
+    found, timer = ready
+    if timer is None:
+        return _measured(identity, found, [])
+    timing, failed = _attempt(identity, timer, on_error)
+    return failed if failed is not None else _measured(identity, found, [timing])
 
 
 def measure_rounds(implementations: list[Implementation], workload: Workload | None, effort: Effort, rounds: int,
