@@ -1034,6 +1034,23 @@ def test_sweep_rows_are_named_by_kernel_form_and_tile_and_run_beside_the_default
                                           "triton-1x2x1", "pallas-d", "pallas-1x2x1"]
 
 
+@pytest.mark.parametrize("only, expected", [
+    (None, ["triton-d", "triton-2x1x1", "pallas-d", "pallas-2x1x1"]),
+    ("triton", ["triton-d", "triton-2x1x1"]),
+    ("pallas,xla-copy", ["pallas-d", "pallas-2x1x1"]),
+    ("triton,pallas", ["triton-d", "triton-2x1x1", "pallas-d", "pallas-2x1x1"]),
+    ("torch-copy", ["triton-d", "triton-2x1x1", "pallas-d", "pallas-2x1x1"]),
+])
+def test_an_only_naming_one_kernel_sweeps_that_kernels_tiles_alone(only, expected):
+    from interop.bench.command import sweep_rows
+
+    argv = ["--sweep", "d,2x1x1"] + ([] if only is None else ["--only", only])
+    assert [i.name for i in sweep_rows(_parser().parse_args(argv))] == expected
+    forms = _parser().parse_args(["--forms", "pp", "--only", "triton"])
+    assert [i.name for i in sweep_rows(forms)] == ["pallas-pp-d"]  # forms are the Pallas kernel's
+    assert sweep_rows(_parser().parse_args(["--only", "triton"])) == []
+
+
 def test_a_triton_tile_row_passes_its_tile_to_the_public_call_and_is_checked(monkeypatch):
     pytest.importorskip("torch")
     import fusedkv_torch

@@ -159,7 +159,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         metavar="TILES",
                         help="add a row per tile of each kernel, BLOCK_TOKENSxBLOCK_HEADSxNUM_WARPS or d (the "
                              f"kernel's own), comma-separated (default: {','.join(sweep.DEFAULT_TILES)}); "
-                             "without --only, beside the triton and pallas rows alone")
+                             "without --only, beside the triton and pallas rows alone; with an --only that "
+                             "names one of the two kernels, that kernel's tiles alone")
     parser.add_argument("--forms", type=sweep.form_list, default=None, metavar="FORMS",
                         help="add a row per form of the Pallas kernel (at each --sweep tile, else its own), "
                              "two letters each: a program takes every layer, then K is loaded as whole rows; "
@@ -245,6 +246,15 @@ def command_line(args: argparse.Namespace) -> str:
     return " ".join(words)
 
 
+def sweep_rows(args: argparse.Namespace) -> list:
+    """``--sweep``'s and ``--forms``' rows: of both kernels, or of the one kernel ``--only`` names."""
+    if not (args.sweep or args.forms):
+        return []
+    named = [kernel for kernel in sweep.KERNELS if kernel in (args.only or ())]
+    return sweep.implementations(args.sweep or ("d",), args.forms, kernels=tuple(named) if len(named) == 1
+                                 else sweep.KERNELS)
+
+
 def words_to_run(args: argparse.Namespace) -> list[str] | None:
     """The registry rows to run: ``--only``'s, or those ``--host`` and ``--sweep`` compare, or all."""
     if args.only is None and args.shape == "grid" and not (args.host or args.sweep or args.forms):
@@ -316,7 +326,7 @@ def dry_run(args: argparse.Namespace) -> int:
     """``--dry-run``: the rows each shape would run, as though torch and jax both saw a GPU."""
     from interop.bench.runner import plan
 
-    extra = sweep.implementations(args.sweep or ("d",), args.forms) if args.sweep or args.forms else []
+    extra = sweep_rows(args)
     implementations, _ = select(words_to_run(args), {"torch": "", "jax": ""}, extra=extra)
     shapes, tokens = bench_shapes(args), token_counts(args)
     left_out = {(shape.name, total_ctx) for shape, total_ctx in over_memory(shapes, tokens, args.dtype)}
@@ -384,7 +394,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if not found:
         print(REFUSAL.format(reasons="; ".join(reasons)), file=sys.stderr)
         return 2
-    extra = sweep.implementations(args.sweep or ("d",), args.forms) if args.sweep or args.forms else []
+    extra = sweep_rows(args)
     implementations, skipped = select(words_to_run(args), found, extra=extra)
     if not implementations:
         print(f"fusedkv bench: nothing to run: {', '.join(i.name for i in skipped)} need a framework "

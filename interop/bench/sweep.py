@@ -26,6 +26,7 @@ from interop.bench.workload import Workload
 DEFAULT_TILES = ("1x1x1", "2x1x1", "1x2x1", "1x8x2", "2x8x4", "4x8x4", "4x8x8")
 RULES = {"layer_loop": "loops_over_layers", "k_rows": "loads_k_rows"}
 FORM_LETTERS = {"1": True, "0": False, "p": None}
+KERNELS = ("triton", "pallas")
 
 
 def _is_power_of_two(text: str) -> bool:
@@ -114,14 +115,15 @@ def _pallas_tile(workload: Workload, *, tile: str, form: str) -> Steps:
     return dataclasses.replace(steps, step=step)
 
 
-def implementations(tiles: tuple[str, ...], forms: tuple[str, ...] | None) -> list[Implementation]:
-    """The sweep's rows: Triton and Pallas at every tile, or, with ``forms``, Pallas at
-    every form and tile."""
+def implementations(tiles: tuple[str, ...], forms: tuple[str, ...] | None,
+                    kernels: tuple[str, ...] = KERNELS) -> list[Implementation]:
+    """The sweep's rows: each of ``kernels`` (Triton, Pallas) at every tile, or, with
+    ``forms``, Pallas at every form and tile."""
     if forms:
         return [Implementation(f"pallas-{form}-{tile}", "jax", "sweep",
                                functools.partial(_pallas_tile, tile=tile, form=form))
                 for form in forms for tile in tiles]
     return ([Implementation(f"triton-{tile}", "torch", "sweep", functools.partial(_triton_tile, tile=tile))
-             for tile in tiles]
+             for tile in tiles if "triton" in kernels]
             + [Implementation(f"pallas-{tile}", "jax", "sweep", functools.partial(_pallas_tile, tile=tile, form="pp"))
-               for tile in tiles])
+               for tile in tiles if "pallas" in kernels])
