@@ -41,10 +41,10 @@ stores a layer. With every head in the block, a program reads contiguous K and V
 of ``kv`` and, without a cache, writes one contiguous chunk of each output; the cos/sin
 rows are loaded once per token and shared by all heads. ``neox`` K that is rotated whole
 is loaded as its two rotary halves, so each element meets its RoPE partner in
-registers. ``gptj``'s interleaved pairs are no run of columns, and ``neox`` halves beside
-an unrotated tail are runs too narrow for wide loads: such K rows are loaded whole and
-again at permuted columns (an L1-resident second load) for the partners
-(:func:`loads_k_rows`). By default a block holds every head, but at most four where K
+registers. ``gptj``'s interleaved pairs are no run of columns: its K rows are loaded whole
+and split into their pairs in registers. ``neox`` halves beside an unrotated tail are runs
+too narrow for wide loads: such K rows are loaded whole and again at permuted columns (an
+L1-resident second load) for the partners (:func:`loads_k_rows`). By default a block holds every head, but at most four where K
 is loaded as rows (:func:`tile_heads`).
 """
 
@@ -252,6 +252,41 @@ class _KRows:
         return [(dims, jnp.where(self.rotated, rotated, kn), dims_ok)]
 
 
+class _KPairs:
+    """``gptj`` K loaded as whole rows once and split into its interleaved pairs in
+    registers (a ``[pairs, 2]`` reshape): each element meets its RoPE partner without the
+    second, permuted load of :class:`_KRows`. ``pieces`` is the row's ``(columns,
+    columns_ok)``, as :class:`_KHalves`'s."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, rope_style: str):
+        dims = jnp.arange(pl.next_power_of_2(head_dim))
+        self.pieces = [(dims, dims < head_dim)]
+        _, self.rotated = self.frequencies(head_dim, rotary_dim, rope_style)
+
+    @staticmethod
+    def frequencies(head_dim: int, rotary_dim: int, rope_style: str):
+        """The cos/sin column of each pair of a row, and which pairs are rotated."""
+        del rope_style  # gptj only
+        pairs = jnp.arange(pl.next_power_of_2(head_dim) // 2)
+        return pairs, pairs < rotary_dim // 2
+
+    def sum_squares(self, k):
+        """``sum(k*k)`` per head row."""
+        [row] = k
+        return jnp.sum(row * row, axis=-1, keepdims=True)
+
+    def rope(self, k, weight, inv_rms, cos, sin):
+        """RoPE of ``kn = k * inv_rms * weight``, as one ``(columns, values, columns_ok)`` piece to store."""
+        [row], [row_weight] = k, weight
+        kn = row * inv_rms * row_weight
+        first, second = jnp.unstack(kn.reshape(*kn.shape[:-1], kn.shape[-1] // 2, 2), axis=-1)
+        # The unrotated tail is kn itself (see _KHalves.rope).
+        first, second = (jnp.where(self.rotated, rotated, unrotated)
+                         for rotated, unrotated in zip(_rotate(first, second, cos, sin), (first, second)))
+        [(dims, dims_ok)] = self.pieces
+        return [(dims, jnp.stack([first, second], axis=-1).reshape(kn.shape), dims_ok)]
+
+
 class _LayerTile(NamedTuple):
     """One layer's loads, all issued before its first store: V as loaded, the K-norm's eps
     (None without one), and fp32 K with its K-norm weight at the columns of ``k_form``."""
@@ -405,10 +440,10 @@ def _fused_kv_norm_rope_kernel(
     ``v_multiplier[n_layers]``, the destinations as given (aliased, unread), and the
     destinations ``k_dest, v_dest[n_layers, rows, num_kv_heads, head_dim]``. What a call
     leaves out is None and carried by the helpers. ``k_rows`` loads K as whole rows
-    (:class:`_KRows`), else as ``neox`` runs (:class:`_KHalves`).
+    (``gptj``: :class:`_KPairs`, ``neox``: :class:`_KRows`), else as ``neox`` runs (:class:`_KHalves`).
     """
     del k_given_ref, v_given_ref  # their memory is k_dest_ref's and v_dest_ref's
-    k_form = _KRows if k_rows else _KHalves
+    k_form = (_KPairs if rope_style == "gptj" else _KRows) if k_rows else _KHalves
     first_layer, tokens, heads = _tile_of_program(block_tokens, block_layers, block_heads)
     in_context = tokens < kv_ref.shape[0]
     head_rows = _head_rows(tokens, heads, in_context, num_kv_heads, head_dim)
@@ -446,7 +481,7 @@ def _fused_kv_norm_rope_kernel(
 
 
 def loads_k_rows(config: FusedKVConfig) -> bool:
-    """Whether the kernel loads K as whole rows (:class:`_KRows`): always for ``gptj``, and
+    """Whether the kernel loads K as whole rows (:class:`_KPairs`, :class:`_KRows`): always for ``gptj``, and
     for ``neox`` with an unrotated tail, whose rotary halves are runs too narrow for wide
     loads (three narrow runs lose to one row and an L1-resident second load, in either
     grid). Else K is loaded as its ``neox`` runs (:class:`_KHalves`)."""
