@@ -354,8 +354,8 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: 
     of V per thread); around 256 tokens, four times the tokens of those tiles (four
     tokens of 8 heads, eight of 4). Outside short contexts a tile takes fewer tokens (halved
     in turn) while the call's programs, over all ``n_layers``, would not give every
-    multiprocessor one (``multiprocessors``: the current GPU's where None): an idle
-    multiprocessor is bandwidth left unused.
+    multiprocessor two (``multiprocessors``: the current GPU's where None): with one, a
+    multiprocessor waits on each program's loads with nothing else in flight.
 
     ``interpret`` (``TRITON_INTERPRET=1``): few, large programs instead, of as many
     tokens as fit ``interop.core.tiles.INTERPRETED_TILE_ELEMENTS``.
@@ -370,7 +370,7 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: 
     block_tokens = max(1, 8 // block_heads) * (4 if four_token_tiles else 1)
     multiprocessors = _multiprocessors() if multiprocessors is None else multiprocessors
     while block_tokens > 1 and -(-total_ctx // block_tokens) * n_layers * (num_kv_heads // block_heads) \
-            < multiprocessors:
+            < _MIN_PROGRAMS_PER_MULTIPROCESSOR * multiprocessors:
         block_tokens //= 2
     num_warps = max(1, min(8, block_tokens * block_heads * next_power_of_2(head_dim) // 512))
     return block_tokens, block_heads, num_warps
@@ -386,6 +386,8 @@ def _multiprocessors() -> int:
 # regime's tile starts to win in the draft shape.
 _SHORT_CONTEXT_END = 128
 _FOUR_TOKEN_TILES = (256, 384)
+# Outside short contexts a tile takes fewer tokens until every multiprocessor has this many programs.
+_MIN_PROGRAMS_PER_MULTIPROCESSOR = 2
 
 
 @functools.lru_cache(maxsize=4096)

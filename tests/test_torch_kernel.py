@@ -69,10 +69,11 @@ def test_token_tiles_and_head_groups_cover_a_ragged_context(style, block_tokens,
     assert_matches_reference(inputs, config, k, v)
 
 
-@pytest.mark.parametrize("total_ctx, tile", [(127, (2, 1)), (130, (2, 4)), (257, (8, 4))])
+@pytest.mark.parametrize("total_ctx, tile", [(127, (2, 1)), (130, (2, 4)), (257, (4, 4))])
 def test_decode_and_mid_size_contexts_on_their_default_tiles(total_ctx, tile):
     # Below 128 tokens two-token one-head tiles; between and beyond, tiles of about 8 head rows
-    # (4 heads: 2 tokens); from 256 to 384 four times their tokens (4 heads: 8 tokens).
+    # (4 heads: 2 tokens); from 256 to 384 four times their tokens (4 heads: 8 tokens), halved
+    # at 257 tokens of 5 layers, whose 165 programs would not give 132 multiprocessors two each.
     # The GPU's tiles, launched by name: interpreted, a call's default is a few large tiles.
     # One layer: layers are a grid axis of their own, and the interpreter pays per program.
     config = FusedKVConfig(4, 64, 64, "gptj")
@@ -88,12 +89,12 @@ def test_decode_and_mid_size_contexts_on_their_default_tiles(total_ctx, tile):
 
 
 @pytest.mark.parametrize("total_ctx, heads, n_layers, tile", [
-    (256, 2, 3, (4, 2, 2)),    # 16-token tiles would give 48 programs: halved twice to 192
-    (1024, 1, 1, (4, 1, 1)),   # 8-token tiles would give 128 programs: halved once to 256
+    (256, 2, 3, (2, 2, 1)),    # 16-token tiles would give 48 programs: halved three times to 384
+    (1024, 1, 1, (2, 1, 1)),   # 8-token tiles would give 128 programs: halved twice to 512
     (256, 8, 5, (4, 8, 8)),    # 320 programs: the tile of its regime
     (4096, 2, 3, (4, 2, 2)),
 ])
-def test_a_call_with_fewer_programs_than_multiprocessors_takes_smaller_tiles(total_ctx, heads, n_layers, tile):
+def test_a_call_with_fewer_than_two_programs_a_multiprocessor_takes_smaller_tiles(total_ctx, heads, n_layers, tile):
     assert kernel_module.default_tile(total_ctx, heads, 128, n_layers=n_layers, multiprocessors=132) == tile
 
 
