@@ -44,8 +44,8 @@ is loaded as its two rotary halves, so each element meets its RoPE partner in
 registers. ``gptj``'s interleaved pairs are no run of columns: its K rows are loaded whole
 and split into their pairs in registers. ``neox`` halves beside an unrotated tail are runs
 too narrow for wide loads: such K rows are loaded whole and again at permuted columns (an
-L1-resident second load) for the partners (:func:`loads_k_rows`). By default a block holds every head, but at most four where K
-is loaded as rows (:func:`tile_heads`).
+L1-resident second load) for the partners (:func:`loads_k_rows`). By default a block
+holds every head, but at most four where K is loaded as rows (:func:`tile_heads`).
 """
 
 from __future__ import annotations
