@@ -352,10 +352,13 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: 
     tokens, whose loads all start at once; otherwise, and for long contexts, tiles of
     about 8 head rows: one token of 8 heads, two of 4, and so on (16 elements of K and 16
     of V per thread); around 256 tokens, four times the tokens of those tiles (four
-    tokens of 8 heads, eight of 4). Outside short contexts a tile takes fewer tokens (halved
-    in turn) while the call's programs, over all ``n_layers``, would not give every
-    multiprocessor two (``multiprocessors``: the current GPU's where None): with one, a
-    multiprocessor waits on each program's loads with nothing else in flight.
+    tokens of 8 heads, eight of 4). Counted over all ``n_layers`` (``multiprocessors``:
+    the current GPU's where None): outside short contexts a tile takes fewer tokens
+    (halved in turn) while the call's programs would not give every multiprocessor two,
+    since with one a multiprocessor waits on each program's loads with nothing else in
+    flight; in short contexts a tile takes more heads (doubled in turn, at most 8 and a
+    warp per 1024 elements of K) while they would give one more than 16, since
+    past that handing out the small programs costs more than their loads.
 
     ``interpret`` (``TRITON_INTERPRET=1``): few, large programs instead, of as many
     tokens as fit ``interop.core.tiles.INTERPRETED_TILE_ELEMENTS``.
@@ -363,14 +366,22 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: 
     if interpret:
         block_heads = num_kv_heads & -num_kv_heads  # the largest power of two dividing the heads
         return interpreted_block_tokens(total_ctx, block_heads, head_dim), block_heads, 1
+    multiprocessors = _multiprocessors() if multiprocessors is None else multiprocessors
+    max_heads = min(8, num_kv_heads & -num_kv_heads)  # the largest power of two dividing the heads
+
+    def programs(block_tokens, block_heads):
+        return -(-total_ctx // block_tokens) * n_layers * (num_kv_heads // block_heads)
+
     if total_ctx < _SHORT_CONTEXT_END:
-        return 2, 1, 1
-    block_heads = min(8, num_kv_heads & -num_kv_heads)  # the largest power of two dividing the heads
+        block_tokens, block_heads = 2, 1
+        while block_heads < max_heads and programs(block_tokens, block_heads) \
+                > _MAX_SHORT_PROGRAMS_PER_MULTIPROCESSOR * multiprocessors:
+            block_heads *= 2
+        return block_tokens, block_heads, max(1, block_tokens * block_heads * next_power_of_2(head_dim) // 1024)
+    block_heads = max_heads
     four_token_tiles = _FOUR_TOKEN_TILES[0] <= total_ctx < _FOUR_TOKEN_TILES[1]
     block_tokens = max(1, 8 // block_heads) * (4 if four_token_tiles else 1)
-    multiprocessors = _multiprocessors() if multiprocessors is None else multiprocessors
-    while block_tokens > 1 and -(-total_ctx // block_tokens) * n_layers * (num_kv_heads // block_heads) \
-            < _MIN_PROGRAMS_PER_MULTIPROCESSOR * multiprocessors:
+    while block_tokens > 1 and programs(block_tokens, block_heads) < _MIN_PROGRAMS_PER_MULTIPROCESSOR * multiprocessors:
         block_tokens //= 2
     num_warps = max(1, min(8, block_tokens * block_heads * next_power_of_2(head_dim) // 512))
     return block_tokens, block_heads, num_warps
@@ -386,8 +397,10 @@ def _multiprocessors() -> int:
 # regime's tile starts to win in the draft shape.
 _SHORT_CONTEXT_END = 128
 _FOUR_TOKEN_TILES = (256, 384)
-# Outside short contexts a tile takes fewer tokens until every multiprocessor has this many programs.
+# Outside short contexts a tile takes fewer tokens until every multiprocessor has this many programs;
+# in short contexts it takes more heads until none has more than the second.
 _MIN_PROGRAMS_PER_MULTIPROCESSOR = 2
+_MAX_SHORT_PROGRAMS_PER_MULTIPROCESSOR = 16
 
 
 @functools.lru_cache(maxsize=4096)

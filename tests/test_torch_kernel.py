@@ -98,6 +98,30 @@ def test_a_call_with_fewer_than_two_programs_a_multiprocessor_takes_smaller_tile
     assert kernel_module.default_tile(total_ctx, heads, 128, n_layers=n_layers, multiprocessors=132) == tile
 
 
+@pytest.mark.parametrize("total_ctx, heads, n_layers, head_dim, tile", [
+    (64, 16, 8, 128, (2, 2, 1)),   # 4096 one-head programs would give 132 multiprocessors 31 each
+    (96, 16, 8, 128, (2, 4, 1)),   # 6144: doubled twice
+    (96, 32, 8, 256, (2, 8, 4)),   # at most 8 heads, a warp per 1024 elements of K
+    (64, 6, 16, 64, (2, 2, 1)),    # at most 2 heads: the largest power of two dividing 6
+    (64, 16, 4, 128, (2, 1, 1)),   # 2048 programs: at most 16 a multiprocessor already
+])
+def test_a_short_context_with_more_than_sixteen_programs_a_multiprocessor_takes_more_heads(
+        total_ctx, heads, n_layers, head_dim, tile):
+    assert kernel_module.default_tile(total_ctx, heads, head_dim, n_layers=n_layers, multiprocessors=132) == tile
+
+
+@pytest.mark.parametrize("style", ["neox", "gptj"])
+@pytest.mark.parametrize("tile", [(2, 4, 1), (2, 8, 4)])
+def test_short_context_tiles_of_several_heads_cover_a_ragged_context(style, tile):
+    config = FusedKVConfig(8, 80, 40, style)
+    inputs = random_inputs(config, n_layers=2, total_ctx=7, max_position=64, seed=5)
+    kv, *rest = on_device(inputs)
+    k, v = poisoned((2, 7, 8, 80), kv.dtype), poisoned((2, 7, 8, 80), kv.dtype)
+    block_tokens, block_heads, num_warps = tile
+    launch(kv, *rest, k, v, config=config, block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps)
+    assert_matches_reference(inputs, config, k, v)
+
+
 def test_long_ragged_context_of_one_head_takes_multi_token_tiles():
     config = FusedKVConfig(1, 64, 32, "neox")
     inputs = random_inputs(config, n_layers=1, total_ctx=2085, max_position=4096, seed=3)
