@@ -353,7 +353,8 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: 
     about 8 head rows: one token of 8 heads, two of 4, and so on (16 elements of K and 16
     of V per thread), twice that where a row of K is 128 bytes or less (head_dim 64 of a
     16-bit ``kv``, ``itemsize`` its bytes an element), whose 8 rows keep too few bytes
-    in flight; around 256 tokens, four times the tokens of those tiles (four
+    in flight, unless that leaves a multiprocessor fewer than 8 programs, where programs
+    in flight matter more; around 256 tokens, four times the tokens of those tiles (four
     tokens of 8 heads, eight of 4). Counted over all ``n_layers`` (``multiprocessors``:
     the current GPU's where None): outside short contexts a tile takes fewer tokens
     (halved in turn) while the call's programs would not give every multiprocessor two,
@@ -382,8 +383,12 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: 
         return block_tokens, block_heads, max(1, block_tokens * block_heads * next_power_of_2(head_dim) // 1024)
     block_heads = max_heads
     four_token_tiles = _FOUR_TOKEN_TILES[0] <= total_ctx < _FOUR_TOKEN_TILES[1]
-    rows = 2 * _TILE_ROWS if head_dim * itemsize <= _SHORT_ROW_BYTES else _TILE_ROWS
-    block_tokens = max(1, rows // block_heads) * (4 if four_token_tiles else 1)
+    tokens_per_row = 4 if four_token_tiles else 1
+    block_tokens = max(1, _TILE_ROWS // block_heads) * tokens_per_row
+    doubled = max(1, 2 * _TILE_ROWS // block_heads) * tokens_per_row
+    if head_dim * itemsize <= _SHORT_ROW_BYTES and programs(doubled, block_heads) \
+            >= _MIN_PROGRAMS_PER_MULTIPROCESSOR_OF_DOUBLED_ROWS * multiprocessors:
+        block_tokens = doubled
     while block_tokens > 1 and programs(block_tokens, block_heads) < _MIN_PROGRAMS_PER_MULTIPROCESSOR * multiprocessors:
         block_tokens //= 2
     num_warps = max(1, min(8, block_tokens * block_heads * next_power_of_2(head_dim) // 512))
@@ -404,9 +409,11 @@ _FOUR_TOKEN_TILES = (256, 384)
 # in short contexts it takes more heads until none has more than the second.
 _MIN_PROGRAMS_PER_MULTIPROCESSOR = 2
 _MAX_SHORT_PROGRAMS_PER_MULTIPROCESSOR = 16
-# Head rows a tile takes outside short contexts, twice as many where a row of K is this many bytes or fewer.
+# Head rows a tile takes outside short contexts; twice as many where a row of K is this many bytes or
+# fewer and the call still gives every multiprocessor the third number's programs.
 _TILE_ROWS = 8
 _SHORT_ROW_BYTES = 128
+_MIN_PROGRAMS_PER_MULTIPROCESSOR_OF_DOUBLED_ROWS = 8
 
 
 @functools.lru_cache(maxsize=4096)

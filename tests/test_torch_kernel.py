@@ -110,15 +110,17 @@ def test_a_short_context_with_more_than_sixteen_programs_a_multiprocessor_takes_
     assert kernel_module.default_tile(total_ctx, heads, head_dim, n_layers=n_layers, multiprocessors=132) == tile
 
 
-@pytest.mark.parametrize("heads, head_dim, itemsize, tile", [
-    (8, 64, 2, (2, 8, 2)),    # rows of 128 bytes: 16 rows a tile, 16 elements a thread
-    (4, 64, 2, (4, 4, 2)),
-    (1, 64, 2, (16, 1, 2)),
-    (8, 64, 4, (1, 8, 1)),    # rows of 256 bytes: 8 rows
-    (8, 80, 2, (1, 8, 2)),    # 160 bytes: 8 rows
+@pytest.mark.parametrize("total_ctx, heads, head_dim, itemsize, tile", [
+    (4096, 8, 64, 2, (2, 8, 2)),    # rows of 128 bytes: 16 rows a tile, 16 elements a thread
+    (4096, 4, 64, 2, (4, 4, 2)),
+    (4096, 1, 64, 2, (16, 1, 2)),
+    (1024, 1, 64, 2, (8, 1, 1)),    # 16 rows would leave 320 programs, under 8 a multiprocessor
+    (4096, 8, 64, 4, (1, 8, 1)),    # rows of 256 bytes: 8 rows
+    (4096, 8, 80, 2, (1, 8, 2)),    # 160 bytes: 8 rows
 ])
-def test_tiles_of_rows_of_128_bytes_or_less_take_twice_the_rows(heads, head_dim, itemsize, tile):
-    assert kernel_module.default_tile(4096, heads, head_dim, n_layers=5, itemsize=itemsize,
+def test_tiles_of_rows_of_128_bytes_or_less_take_twice_the_rows_where_programs_remain(
+        total_ctx, heads, head_dim, itemsize, tile):
+    assert kernel_module.default_tile(total_ctx, heads, head_dim, n_layers=5, itemsize=itemsize,
                                       multiprocessors=132) == tile
 
 
