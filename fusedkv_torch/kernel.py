@@ -343,7 +343,7 @@ def _fused_kv_norm_rope_kernel(
                      k_inverse_scale, BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ)
 
 
-def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: int = 1,
+def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: int = 1, itemsize: int = 4,
                  multiprocessors: Optional[int] = None, interpret: bool = False) -> tuple[int, int, int]:
     """``(block_tokens, block_heads, num_warps)`` for a call of this size.
 
@@ -351,7 +351,10 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: 
     of the same bytes: short contexts take many one-warp programs of one head and two
     tokens, whose loads all start at once; otherwise, and for long contexts, tiles of
     about 8 head rows: one token of 8 heads, two of 4, and so on (16 elements of K and 16
-    of V per thread); around 256 tokens, four times the tokens of those tiles (four
+    of V per thread), twice that where a row of K is 128 bytes or less (head_dim 64 of a
+    16-bit ``kv``, ``itemsize`` its bytes an element), whose 8 rows keep too few bytes
+    in flight, unless that leaves a multiprocessor fewer than 8 programs, where programs
+    in flight matter more; around 256 tokens, four times the tokens of those tiles (four
     tokens of 8 heads, eight of 4). Counted over all ``n_layers`` (``multiprocessors``:
     the current GPU's where None): outside short contexts a tile takes fewer tokens
     (halved in turn) while the call's programs would not give every multiprocessor two,
@@ -380,7 +383,12 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: 
         return block_tokens, block_heads, max(1, block_tokens * block_heads * next_power_of_2(head_dim) // 1024)
     block_heads = max_heads
     four_token_tiles = _FOUR_TOKEN_TILES[0] <= total_ctx < _FOUR_TOKEN_TILES[1]
-    block_tokens = max(1, 8 // block_heads) * (4 if four_token_tiles else 1)
+    tokens_per_row = 4 if four_token_tiles else 1
+    block_tokens = max(1, _TILE_ROWS // block_heads) * tokens_per_row
+    doubled = max(1, 2 * _TILE_ROWS // block_heads) * tokens_per_row
+    if head_dim * itemsize <= _SHORT_ROW_BYTES and programs(doubled, block_heads) \
+            >= _MIN_PROGRAMS_PER_MULTIPROCESSOR_OF_DOUBLED_ROWS * multiprocessors:
+        block_tokens = doubled
     while block_tokens > 1 and programs(block_tokens, block_heads) < _MIN_PROGRAMS_PER_MULTIPROCESSOR * multiprocessors:
         block_tokens //= 2
     num_warps = max(1, min(8, block_tokens * block_heads * next_power_of_2(head_dim) // 512))
@@ -401,14 +409,20 @@ _FOUR_TOKEN_TILES = (256, 384)
 # in short contexts it takes more heads until none has more than the second.
 _MIN_PROGRAMS_PER_MULTIPROCESSOR = 2
 _MAX_SHORT_PROGRAMS_PER_MULTIPROCESSOR = 16
+# Head rows a tile takes outside short contexts; twice as many where a row of K is this many bytes or
+# fewer and the call still gives every multiprocessor the third number's programs.
+_TILE_ROWS = 8
+_SHORT_ROW_BYTES = 128
+_MIN_PROGRAMS_PER_MULTIPROCESSOR_OF_DOUBLED_ROWS = 8
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, block_tokens: Optional[int], block_heads: Optional[int],
-          num_warps: Optional[int], dependent_launch: bool) -> tuple[int, tuple, int, bool]:
+def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, itemsize: int, block_tokens: Optional[int],
+          block_heads: Optional[int], num_warps: Optional[int], dependent_launch: bool) -> tuple[int, tuple, int, bool]:
     """``(grid, constexpr values in kernel order, num_warps, dependent_launch)`` of a launch."""
     default_block, default_heads, default_warps = default_tile(
-        total_ctx, config.num_kv_heads, config.head_dim, n_layers=n_layers, interpret=_launcher.interpreted)
+        total_ctx, config.num_kv_heads, config.head_dim, n_layers=n_layers, itemsize=itemsize,
+        interpret=_launcher.interpreted)
     block_tokens = block_tokens or default_block
     block_heads = block_heads or default_heads
     if config.num_kv_heads % block_heads or block_heads & (block_heads - 1):
@@ -424,15 +438,17 @@ def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, block_tokens: Op
     return grid, constexprs, num_warps or default_warps, dependent_launch
 
 
-def tuned_plan(config: FusedKVConfig, total_ctx: int, n_layers: int, tile: tuple, dependent_launch: bool) -> tuple:
-    """The launch plan with ``tile = (block_tokens, block_heads, num_warps)`` overriding
-    :func:`default_tile` where not None, each checked (``ValueError``/``TypeError``)."""
+def tuned_plan(config: FusedKVConfig, total_ctx: int, n_layers: int, itemsize: int, tile: tuple,
+               dependent_launch: bool) -> tuple:
+    """The launch plan of a ``kv`` of ``itemsize`` bytes an element, with ``tile =
+    (block_tokens, block_heads, num_warps)`` overriding :func:`default_tile` where not
+    None, each checked (``ValueError``/``TypeError``)."""
     block_tokens, block_heads, num_warps = tile
     # Before the plan's cache, which would take 2.0 for 2.
     block_tokens = None if block_tokens is None else tile_argument("block_tokens", block_tokens)
     block_heads = None if block_heads is None else size_argument("block_heads", block_heads)
     num_warps = None if num_warps is None else tile_argument("num_warps", num_warps)
-    return _plan(config, total_ctx, n_layers, block_tokens, block_heads, num_warps, dependent_launch)
+    return _plan(config, total_ctx, n_layers, itemsize, block_tokens, block_heads, num_warps, dependent_launch)
 
 
 _launcher = DirectLauncher(_fused_kv_norm_rope_kernel)
@@ -508,6 +524,7 @@ def launch(
     total_ctx, n_layers, _ = kv.shape
     if dependent_launch is None:
         dependent_launch = supports_dependent_launch(kv.device)
-    plan = tuned_plan(config, total_ctx, n_layers, (block_tokens, block_heads, num_warps), dependent_launch)
+    plan = tuned_plan(config, total_ctx, n_layers, kv.element_size(), (block_tokens, block_heads, num_warps),
+                      dependent_launch)
     _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, cache_loc, k_scale, v_scale,
             v_multiplier, layer_rope_table)

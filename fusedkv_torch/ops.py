@@ -205,7 +205,8 @@ def _prepared(accepted: AcceptedCall, kv: torch.Tensor, tile: tuple = _NO_TILE) 
         if device.type != "meta":  # a call on meta tensors runs nowhere
             _check_runnable(device)
         call = accepted.shape
-        plan = tuned_plan(call.config, call.total_ctx, call.n_layers, tile, supports_dependent_launch(device))
+        plan = tuned_plan(call.config, call.total_ctx, call.n_layers, kv.element_size(), tile,
+                          supports_dependent_launch(device))
         if _has_no_memory(kv):  # planned all the same: planning checks the tile override
             plan = None
         if tile is not _NO_TILE:

@@ -155,9 +155,10 @@ def test_the_interpreted_estimate_grows_with_every_size(field, larger):
 ], ids=["many-layers-of-one-token", "many-tokens", "gradients-of-many-layers", "gradients-of-many-tokens"])
 def test_the_interpreted_estimate_is_within_a_factor_of_two_of_the_check(options):
     estimate = options.interpreted_seconds()  # first, as the command makes it: imports aside
-    start = time.perf_counter()
+    # This process's CPU time: its wall time on an idle machine, whatever a test beside it runs.
+    start = time.process_time()
     assert run_check(options).ok
-    seconds = time.perf_counter() - start
+    seconds = time.process_time() - start
     assert seconds / 2 < estimate < seconds * 2, (estimate, seconds)
 
 

@@ -110,6 +110,29 @@ def test_a_short_context_with_more_than_sixteen_programs_a_multiprocessor_takes_
     assert kernel_module.default_tile(total_ctx, heads, head_dim, n_layers=n_layers, multiprocessors=132) == tile
 
 
+@pytest.mark.parametrize("total_ctx, heads, head_dim, itemsize, tile", [
+    (4096, 8, 64, 2, (2, 8, 2)),    # rows of 128 bytes: 16 rows a tile, 16 elements a thread
+    (4096, 4, 64, 2, (4, 4, 2)),
+    (4096, 1, 64, 2, (16, 1, 2)),
+    (1024, 1, 64, 2, (8, 1, 1)),    # 16 rows would leave 320 programs, under 8 a multiprocessor
+    (4096, 8, 64, 4, (1, 8, 1)),    # rows of 256 bytes: 8 rows
+    (4096, 8, 80, 2, (1, 8, 2)),    # 160 bytes: 8 rows
+])
+def test_tiles_of_rows_of_128_bytes_or_less_take_twice_the_rows_where_programs_remain(
+        total_ctx, heads, head_dim, itemsize, tile):
+    assert kernel_module.default_tile(total_ctx, heads, head_dim, n_layers=5, itemsize=itemsize,
+                                      multiprocessors=132) == tile
+
+
+@pytest.mark.skipif(kernel_module._launcher.interpreted, reason="interpreted, a plan takes the interpreter's tiles")
+def test_the_launch_plan_takes_its_tile_from_the_element_size_of_kv():
+    config = FusedKVConfig(8, 64, 32, "gptj")
+    for itemsize, block_tokens in ((2, 2), (4, 1)):
+        grid, constexprs, num_warps, _ = kernel_module.tuned_plan(config, 4096, 5, itemsize, (None, None, None),
+                                                                  False)
+        assert grid == 4096 // block_tokens * 5 and constexprs[5] == block_tokens
+
+
 @pytest.mark.parametrize("style", ["neox", "gptj"])
 @pytest.mark.parametrize("tile", [(2, 4, 1), (2, 8, 4)])
 def test_short_context_tiles_of_several_heads_cover_a_ragged_context(style, tile):
@@ -161,7 +184,7 @@ def test_direct_launch_key_splits_calls_wherever_triton_specializes_them():
     rng = np.random.default_rng(0)
     buffer = torch.zeros(4096, dtype=torch.bfloat16)
     values = [0, 1, 2, 8, 15, 16, 17, 32, 48, 1024, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32]
-    _, constexprs, _, _ = kernel_module._plan(REAL, 64, 5, None, None, None, False)
+    _, constexprs, _, _ = kernel_module._plan(REAL, 64, 5, 2, None, None, None, False)
     specializations = {}
     for _ in range(400):
         tensors = [None if rng.random() < 0.2 else buffer[int(rng.integers(0, 24)):] for _ in range(12)]
