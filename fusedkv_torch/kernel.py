@@ -355,13 +355,13 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: 
     16-bit ``kv``, ``itemsize`` its bytes an element), whose 8 rows keep too few bytes
     in flight, unless that leaves a multiprocessor fewer than 8 programs, where programs
     in flight matter more; around 256 tokens, four times the tokens of those tiles (four
-    tokens of 8 heads, eight of 4). Counted over all ``n_layers`` (``multiprocessors``:
-    the current GPU's where None): outside short contexts a tile takes fewer tokens
-    (halved in turn) while the call's programs would not give every multiprocessor two,
-    since with one a multiprocessor waits on each program's loads with nothing else in
-    flight; in short contexts a tile takes more heads (doubled in turn, at most 8 and a
-    warp per 1024 elements of K) while they would give one more than 16, since
-    past that handing out the small programs costs more than their loads.
+    tokens of 8 heads, eight of 4). With the call's programs counted over all
+    ``n_layers`` (``multiprocessors``: the current GPU's where None): outside short
+    contexts a tile takes fewer tokens (halved in turn) while they would not give every
+    multiprocessor two, since with one a multiprocessor waits on each program's loads with
+    nothing else in flight; in short contexts a tile takes more heads (doubled in turn, at
+    most 8, a warp per 1024 elements of K) while they would give some multiprocessor more
+    than 16, since past that handing out the small programs costs more than their loads.
 
     ``interpret`` (``TRITON_INTERPRET=1``): few, large programs instead, of as many
     tokens as fit ``interop.core.tiles.INTERPRETED_TILE_ELEMENTS``.
