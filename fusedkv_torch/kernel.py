@@ -380,7 +380,7 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: 
         while block_heads < max_heads and programs(block_tokens, block_heads) \
                 > _MAX_SHORT_PROGRAMS_PER_MULTIPROCESSOR * multiprocessors:
             block_heads *= 2
-        return block_tokens, block_heads, max(1, block_tokens * block_heads * next_power_of_2(head_dim) // 1024)
+        return block_tokens, block_heads, max(1, min(8, block_tokens * block_heads * next_power_of_2(head_dim) // 1024))
     block_heads = max_heads
     four_token_tiles = _FOUR_TOKEN_TILES[0] <= total_ctx < _FOUR_TOKEN_TILES[1]
     tokens_per_row = 4 if four_token_tiles else 1

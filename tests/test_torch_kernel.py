@@ -124,6 +124,21 @@ def test_tiles_of_rows_of_128_bytes_or_less_take_twice_the_rows_where_programs_r
                                       multiprocessors=132) == tile
 
 
+def test_every_default_tile_is_one_the_kernel_takes():
+    rng = np.random.default_rng(7)
+    for _ in range(2000):
+        total_ctx = int(rng.choice([1, 2, 7, 64, 100, 127, 128, 255, 256, 383, 384, 1000, 4096, 32768, 100_000]))
+        heads = int(rng.integers(1, 65))
+        head_dim = int(rng.choice([8, 64, 80, 96, 128, 192, 256, 512, 1024, 4096]))
+        n_layers, itemsize = int(rng.integers(1, 65)), int(rng.choice([1, 2, 4]))
+        multiprocessors = int(rng.choice([1, 8, 78, 132, 148]))
+        tile = kernel_module.default_tile(total_ctx, heads, head_dim, n_layers=n_layers, itemsize=itemsize,
+                                          multiprocessors=multiprocessors)
+        block_tokens, block_heads, num_warps = tile
+        assert all(value >= 1 and value & (value - 1) == 0 for value in tile), tile
+        assert heads % block_heads == 0 and block_heads <= 8 and num_warps <= 8, (heads, tile)
+
+
 @pytest.mark.skipif(kernel_module._launcher.interpreted, reason="interpreted, a plan takes the interpreter's tiles")
 def test_the_launch_plan_takes_its_tile_from_the_element_size_of_kv():
     config = FusedKVConfig(8, 64, 32, "gptj")
