@@ -39,6 +39,7 @@ from fusedkv_torch.kernel import (
     _v_to_destination,
     default_tile,
     launch,
+    tile_warps,
 )
 from fusedkv_torch.launcher import DirectLauncher
 from interop.core.spec import FusedKVConfig
@@ -160,7 +161,7 @@ def backward_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, interpret
     (BENCHMARKS.md, the backward); short contexts and the interpreter take the forward's."""
     if interpret or total_ctx < _SHORT_CONTEXT_END:
         return default_tile(total_ctx, num_kv_heads, head_dim, interpret=interpret)
-    return 16, 1, max(1, min(8, 16 * next_power_of_2(head_dim) // 1024))
+    return 16, 1, tile_warps(16, head_dim, 1024)
 
 
 def launch_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, grad_v, v_multiplier,

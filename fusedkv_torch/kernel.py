@@ -380,7 +380,7 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: 
         while block_heads < max_heads and programs(block_tokens, block_heads) \
                 > _MAX_SHORT_PROGRAMS_PER_MULTIPROCESSOR * multiprocessors:
             block_heads *= 2
-        return block_tokens, block_heads, max(1, min(8, block_tokens * block_heads * next_power_of_2(head_dim) // 1024))
+        return block_tokens, block_heads, tile_warps(block_tokens * block_heads, head_dim, 1024)
     block_heads = max_heads
     four_token_tiles = _FOUR_TOKEN_TILES[0] <= total_ctx < _FOUR_TOKEN_TILES[1]
     tokens_per_row = 4 if four_token_tiles else 1
@@ -391,8 +391,13 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: 
         block_tokens = doubled
     while block_tokens > 1 and programs(block_tokens, block_heads) < _MIN_PROGRAMS_PER_MULTIPROCESSOR * multiprocessors:
         block_tokens //= 2
-    num_warps = max(1, min(8, block_tokens * block_heads * next_power_of_2(head_dim) // 512))
-    return block_tokens, block_heads, num_warps
+    return block_tokens, block_heads, tile_warps(block_tokens * block_heads, head_dim, 512)
+
+
+def tile_warps(rows: int, head_dim: int, elements_per_warp: int) -> int:
+    """Warps for a tile of ``rows`` head rows: one per ``elements_per_warp`` elements of K (rows padded to a
+    power of two), 1 to 8."""
+    return max(1, min(8, rows * next_power_of_2(head_dim) // elements_per_warp))
 
 
 @functools.lru_cache(maxsize=None)
