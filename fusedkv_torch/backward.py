@@ -39,11 +39,11 @@ from fusedkv_torch.kernel import (
     _v_to_destination,
     default_tile,
     launch,
+    piece_blocks,
     tile_warps,
 )
 from fusedkv_torch.launcher import DirectLauncher
 from interop.core.spec import FusedKVConfig
-from interop.core.tiles import next_power_of_2
 
 
 @triton.jit
@@ -68,16 +68,16 @@ def _normalized_grad(x_first, x_second, x_tail, gn_first, gn_second, gn_tail, w_
 @triton.jit
 def _store_weight_partials(partial_ptr, counted, gn_first, gn_second, gn_tail, n_first, n_second, n_tail,
                            PAIR_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           ROTARY_DIM: tl.constexpr, GPTJ: tl.constexpr):
+                           PAIRED_DIM: tl.constexpr, GPTJ: tl.constexpr):
     """This program's ``sum over its tokens and heads of gn * x*r`` into its ``[HEAD_DIM]`` row,
     over the head rows ``counted`` (the others' outputs do not depend on the weight)."""
     one = tl.zeros([1, 1, 1], tl.int64)
     first = tl.sum(tl.sum(tl.where(counted, gn_first * n_first, 0.0), 0, keep_dims=True), 1, keep_dims=True)
     second = tl.sum(tl.sum(tl.where(counted, gn_second * n_second, 0.0), 0, keep_dims=True), 1, keep_dims=True)
-    _store_rotary_halves(partial_ptr + one, 1, first, second, one == 0, 1, 1, PAIR_BLOCK, ROTARY_DIM, GPTJ)
+    _store_rotary_halves(partial_ptr + one, 1, first, second, one == 0, 1, 1, PAIR_BLOCK, PAIRED_DIM, GPTJ)
     if TAIL_BLOCK > 0:
         tail = tl.sum(tl.sum(tl.where(counted, gn_tail * n_tail, 0.0), 0, keep_dims=True), 1, keep_dims=True)
-        tail_dims = ROTARY_DIM + tl.arange(0, TAIL_BLOCK)[None, None, :]
+        tail_dims = PAIRED_DIM + tl.arange(0, TAIL_BLOCK)[None, None, :]
         tl.store(partial_ptr + tail_dims, tail, mask=tail_dims < HEAD_DIM)
 
 
@@ -95,7 +95,7 @@ def _fused_kv_norm_rope_backward_kernel(
     grad_stride_t, grad_stride_l, grad_stride_d,
     N_LAYERS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
     GPTJ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HEADS: tl.constexpr,
-    PAIR_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, HEAD_BLOCK: tl.constexpr,
+    PAIRED_DIM: tl.constexpr, PAIR_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, HEAD_BLOCK: tl.constexpr,
 ):
     """The gradients of one ``[BLOCK_T tokens, BLOCK_HEADS heads, head_dim]`` tile of one layer,
     on the forward kernel's tiles and grid; ``weight_partials`` and ``multiplier_partials``
@@ -109,10 +109,10 @@ def _fused_kv_norm_rope_backward_kernel(
     head_stride = HEAD_DIM * kv_stride_d
     kv_rows = kv_ptr + tokens[:, None, None] * kv_stride_t + layer * kv_stride_l
     x_first, x_second, x_tail = _load_head_rows(kv_rows + heads * head_stride, kv_stride_d, loaded, BLOCK_T,
-                                                BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ)
+                                                BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, PAIRED_DIM, GPTJ)
     g_rows = grad_k_ptr + layer * gk_stride_l + tokens[:, None, None] * gk_stride_t + heads * gk_stride_h
     g_first, g_second, g_tail = _load_head_rows(g_rows, gk_stride_d, loaded, BLOCK_T, BLOCK_HEADS, PAIR_BLOCK,
-                                                TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ)
+                                                TAIL_BLOCK, HEAD_DIM, PAIRED_DIM, GPTJ)
     head_dims = tl.arange(0, HEAD_BLOCK)[None, None, :]
     v_mask = loaded & (head_dims < HEAD_DIM)
     g_v = tl.load(grad_v_ptr + layer * gv_stride_l + tokens[:, None, None] * gv_stride_t + heads * gv_stride_h
@@ -124,7 +124,7 @@ def _fused_kv_norm_rope_backward_kernel(
     cos, sin, w_first, w_second, w_tail, eps = _load_rotation_and_norm(
         cos_sin_table, positions, in_context & rotatable, tokens, heads, cos_sin_stride_p, cos_sin_stride_d,
         k_norm_weight_ptr, layer, weight_stride_l, weight_stride_d, eps_ptr, eps_stride,
-        BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ)
+        BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, PAIRED_DIM, GPTJ)
     v_multiplier = _layer_multiplier(v_multiplier_ptr, layer, v_multiplier_stride)
 
     grad_rows = grad_kv_ptr + tokens[:, None, None] * grad_stride_t + layer * grad_stride_l
@@ -138,16 +138,16 @@ def _fused_kv_norm_rope_backward_kernel(
 
     inv_rms = _inverse_rms(x_first, x_second, x_tail, eps, rotatable, k_norm_weight_ptr, HEAD_DIM, TAIL_BLOCK)
     # rope^T: the rotation by -angle.
-    gn_first, gn_second = _rotate(g_first, g_second, cos, -sin)
+    gn_first, gn_second = _rotate(g_first, g_second, cos, -sin, PAIR_BLOCK, ROTARY_DIM, PAIRED_DIM)
     grad_first, grad_second, grad_tail, n_first, n_second, n_tail = _normalized_grad(
         x_first, x_second, x_tail, gn_first, gn_second, g_tail, w_first, w_second, w_tail, inv_rms,
         k_norm_weight_ptr, HEAD_DIM, TAIL_BLOCK)
     _store_head_rows(grad_rows + heads * grad_head_stride, grad_stride_d, grad_first, grad_second, grad_tail, loaded,
-                     None, 1.0, 1.0, BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ)
+                     None, 1.0, 1.0, BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, PAIRED_DIM, GPTJ)
     if k_norm_weight_ptr is not None:
         _store_weight_partials(weight_partials_ptr + pid * HEAD_DIM, loaded & (inv_rms == inv_rms), gn_first,
                                gn_second, g_tail, n_first, n_second, n_tail, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM,
-                               ROTARY_DIM, GPTJ)
+                               PAIRED_DIM, GPTJ)
 
 
 _launcher = DirectLauncher(_fused_kv_norm_rope_backward_kernel)
@@ -188,10 +188,9 @@ def launch_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, grad_k, gr
         weight_partials = torch.empty((grid, config.head_dim), dtype=torch.float32, device=kv.device)
     if v_multiplier is not None:
         multiplier_partials = torch.empty((grid,), dtype=torch.float32, device=kv.device)
-    tail = config.head_dim - config.rotary_dim
+    # The rotary pieces and the tail of every row: the forward's whole gptj rows were measured on the forward alone.
     constexprs = (n_layers, config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style == "gptj",
-                  block_tokens, block_heads, next_power_of_2(config.rotary_dim // 2),
-                  next_power_of_2(tail) if tail else 0, next_power_of_2(config.head_dim))
+                  block_tokens, block_heads, *piece_blocks(config))
     # One table is table 0 of one, as in the forward: its table stride is never used.
     table_strides = cos_sin_cache.stride() if layer_rope_table is not None else (1, *cos_sin_cache.stride())
     _launcher(

@@ -48,36 +48,37 @@ _FP8_SCALE_MAX = tl.constexpr(FP8_SCALE_MAX)
 
 @triton.jit
 def _load_rotary_halves(base_ptrs, stride, mask, TOKENS: tl.constexpr, HEADS: tl.constexpr,
-                        PAIR_BLOCK: tl.constexpr, ROTARY_DIM: tl.constexpr, GPTJ: tl.constexpr):
-    """The two members of every rotated pair as fp32 ``[TOKENS, HEADS, PAIR_BLOCK]`` tiles.
+                        PAIR_BLOCK: tl.constexpr, PAIRED_DIM: tl.constexpr, GPTJ: tl.constexpr):
+    """The two members of every pair of the first ``PAIRED_DIM`` dims as fp32
+    ``[TOKENS, HEADS, PAIR_BLOCK]`` tiles: adjacent dims (``GPTJ``) or the two halves.
 
     ``base_ptrs`` and ``mask`` are ``[TOKENS, HEADS, 1]``: where each row's dims start.
     """
     if GPTJ:
         # Pairs are adjacent: one contiguous load, then a register split of [.., pairs, 2].
         dims = tl.arange(0, 2 * PAIR_BLOCK)[None, None, :]
-        both = tl.load(base_ptrs + dims * stride, mask=mask & (dims < ROTARY_DIM), other=0.0)
+        both = tl.load(base_ptrs + dims * stride, mask=mask & (dims < PAIRED_DIM), other=0.0)
         first, second = tl.split(tl.reshape(both.to(tl.float32), [TOKENS, HEADS, PAIR_BLOCK, 2]))
     else:
         pairs = tl.arange(0, PAIR_BLOCK)[None, None, :]
-        mask = mask & (pairs < ROTARY_DIM // 2)
+        mask = mask & (pairs < PAIRED_DIM // 2)
         first = tl.load(base_ptrs + pairs * stride, mask=mask, other=0.0).to(tl.float32)
-        second = tl.load(base_ptrs + (pairs + ROTARY_DIM // 2) * stride, mask=mask, other=0.0).to(tl.float32)
+        second = tl.load(base_ptrs + (pairs + PAIRED_DIM // 2) * stride, mask=mask, other=0.0).to(tl.float32)
     return first, second
 
 
 @triton.jit
 def _store_rotary_halves(base_ptrs, stride, first, second, mask, TOKENS: tl.constexpr, HEADS: tl.constexpr,
-                         PAIR_BLOCK: tl.constexpr, ROTARY_DIM: tl.constexpr, GPTJ: tl.constexpr):
+                         PAIR_BLOCK: tl.constexpr, PAIRED_DIM: tl.constexpr, GPTJ: tl.constexpr):
     if GPTJ:
         dims = tl.arange(0, 2 * PAIR_BLOCK)[None, None, :]
         both = tl.reshape(tl.join(first, second), [TOKENS, HEADS, 2 * PAIR_BLOCK])
-        tl.store(base_ptrs + dims * stride, both, mask=mask & (dims < ROTARY_DIM))
+        tl.store(base_ptrs + dims * stride, both, mask=mask & (dims < PAIRED_DIM))
     else:
         pairs = tl.arange(0, PAIR_BLOCK)[None, None, :]
-        mask = mask & (pairs < ROTARY_DIM // 2)
+        mask = mask & (pairs < PAIRED_DIM // 2)
         tl.store(base_ptrs + pairs * stride, first, mask=mask)
-        tl.store(base_ptrs + (pairs + ROTARY_DIM // 2) * stride, second, mask=mask)
+        tl.store(base_ptrs + (pairs + PAIRED_DIM // 2) * stride, second, mask=mask)
 
 
 @triton.jit
@@ -133,14 +134,14 @@ def _destination_rows(tokens, in_context, slots_ptr, slots_stride, num_slots):
 
 @triton.jit
 def _load_head_rows(row_ptrs, stride, mask, TOKENS: tl.constexpr, HEADS: tl.constexpr, PAIR_BLOCK: tl.constexpr,
-                    TAIL_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
+                    TAIL_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, PAIRED_DIM: tl.constexpr,
                     GPTJ: tl.constexpr):
-    """fp32 ``(first, second, tail)`` of head rows: the two members of every rotated pair and
-    the unrotated dims past ``ROTARY_DIM`` (0.0 where there are none)."""
-    first, second = _load_rotary_halves(row_ptrs, stride, mask, TOKENS, HEADS, PAIR_BLOCK, ROTARY_DIM, GPTJ)
+    """fp32 ``(first, second, tail)`` of head rows: the two members of every pair of the
+    first ``PAIRED_DIM`` dims (:func:`_paired_dims`) and the dims past them (0.0 where there are none)."""
+    first, second = _load_rotary_halves(row_ptrs, stride, mask, TOKENS, HEADS, PAIR_BLOCK, PAIRED_DIM, GPTJ)
     tail = 0.0
     if TAIL_BLOCK > 0:
-        tail_dims = ROTARY_DIM + tl.arange(0, TAIL_BLOCK)[None, None, :]
+        tail_dims = PAIRED_DIM + tl.arange(0, TAIL_BLOCK)[None, None, :]
         tail = tl.load(row_ptrs + tail_dims * stride, mask=mask & (tail_dims < HEAD_DIM), other=0.0).to(tl.float32)
     return first, second, tail
 
@@ -150,9 +151,9 @@ def _load_rotation_and_norm(cos_sin_table, positions, rotated, tokens, heads, co
                             weight_ptr, layer, weight_stride_l, weight_stride_d, eps_ptr, eps_stride,
                             TOKENS: tl.constexpr, HEADS: tl.constexpr, PAIR_BLOCK: tl.constexpr,
                             TAIL_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
-                            GPTJ: tl.constexpr):
+                            PAIRED_DIM: tl.constexpr, GPTJ: tl.constexpr):
     """``(cos, sin, w_first, w_second, w_tail, eps)``: the cos/sin rows of the tokens' positions
-    in ``cos_sin_table`` (1 and 0 for a token not ``rotated``, whose row is never read) and the
+    in ``cos_sin_table`` (zeros for a token not ``rotated``, whose row is never read) and the
     layer's K-norm (:func:`_load_norm`), all at K's ``[tokens, heads, dims]`` shape, as
     :func:`_load_norm` says why."""
     every_head = heads * 0
@@ -161,14 +162,14 @@ def _load_rotation_and_norm(cos_sin_table, positions, rotated, tokens, heads, co
                                    TOKENS, HEADS, PAIR_BLOCK, ROTARY_DIM, False)
     w_first, w_second, w_tail, eps = _load_norm(weight_ptr, layer, weight_stride_l, weight_stride_d,
                                                 tokens[:, None, None] * 0 + every_head, eps_ptr, eps_stride,
-                                                TOKENS, HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ)
+                                                TOKENS, HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, PAIRED_DIM, GPTJ)
     return cos, sin, w_first, w_second, w_tail, eps
 
 
 @triton.jit
 def _load_norm(weight_ptr, layer, weight_stride_l, weight_stride_d, every_row, eps_ptr, eps_stride,
                TOKENS: tl.constexpr, HEADS: tl.constexpr, PAIR_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr,
-               HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, GPTJ: tl.constexpr):
+               HEAD_DIM: tl.constexpr, PAIRED_DIM: tl.constexpr, GPTJ: tl.constexpr):
     """The layer's K-norm weight as :func:`_load_head_rows` pieces, and its eps; ones and
     zero for a draft without a K-norm (``weight_ptr`` None).
 
@@ -180,7 +181,7 @@ def _load_norm(weight_ptr, layer, weight_stride_l, weight_stride_d, every_row, e
     if weight_ptr is not None:
         rows = weight_ptr + layer * weight_stride_l + every_row
         first, second, tail = _load_head_rows(rows, weight_stride_d, every_row == 0, TOKENS, HEADS, PAIR_BLOCK,
-                                              TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ)
+                                              TAIL_BLOCK, HEAD_DIM, PAIRED_DIM, GPTJ)
         eps = tl.load(eps_ptr + layer * eps_stride)
     return first, second, tail, eps
 
@@ -221,9 +222,16 @@ def _layer_table(cos_sin_ptr, table_ptr, layer, table_stride, cos_sin_stride_tab
 
 
 @triton.jit
-def _rotate(first, second, cos, sin):
-    """RoPE of every pair ``(first, second)``."""
-    return first * cos - second * sin, second * cos + first * sin
+def _rotate(first, second, cos, sin, PAIR_BLOCK: tl.constexpr, ROTARY_DIM: tl.constexpr, PAIRED_DIM: tl.constexpr):
+    """RoPE of every pair ``(first, second)`` of the first ``ROTARY_DIM`` dims; where the pairs
+    run past them (``PAIRED_DIM``), those pairs as they are (a select, where their cos and sin
+    of 0 would make an infinite member's partner NaN)."""
+    rotated_first, rotated_second = first * cos - second * sin, second * cos + first * sin
+    if PAIRED_DIM > ROTARY_DIM:
+        rotated = tl.arange(0, PAIR_BLOCK)[None, None, :] < ROTARY_DIM // 2
+        rotated_first = tl.where(rotated, rotated_first, first)
+        rotated_second = tl.where(rotated, rotated_second, second)
+    return rotated_first, rotated_second
 
 
 @triton.jit
@@ -259,14 +267,14 @@ def _v_to_destination(v, multiplier_ptr, multiplier, scale_ptr, scale, inverse_s
 @triton.jit
 def _store_head_rows(row_ptrs, stride, first, second, tail, mask, scale_ptr, scale, inverse_scale,
                      TOKENS: tl.constexpr, HEADS: tl.constexpr, PAIR_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr, GPTJ: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, PAIRED_DIM: tl.constexpr, GPTJ: tl.constexpr):
     """:func:`_load_head_rows`'s pieces, each in the destination's dtype (:func:`_to_destination`)."""
     dtype = row_ptrs.dtype.element_ty
     _store_rotary_halves(row_ptrs, stride, _to_destination(first, scale_ptr, scale, inverse_scale, dtype),
                          _to_destination(second, scale_ptr, scale, inverse_scale, dtype), mask,
-                         TOKENS, HEADS, PAIR_BLOCK, ROTARY_DIM, GPTJ)
+                         TOKENS, HEADS, PAIR_BLOCK, PAIRED_DIM, GPTJ)
     if TAIL_BLOCK > 0:
-        tail_dims = ROTARY_DIM + tl.arange(0, TAIL_BLOCK)[None, None, :]
+        tail_dims = PAIRED_DIM + tl.arange(0, TAIL_BLOCK)[None, None, :]
         tl.store(row_ptrs + tail_dims * stride, _to_destination(tail, scale_ptr, scale, inverse_scale, dtype),
                  mask=mask & (tail_dims < HEAD_DIM))
 
@@ -285,7 +293,7 @@ def _fused_kv_norm_rope_kernel(
     v_stride_l, v_stride_row, v_stride_h, v_stride_d,
     N_LAYERS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
     GPTJ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HEADS: tl.constexpr,
-    PAIR_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, HEAD_BLOCK: tl.constexpr,
+    PAIRED_DIM: tl.constexpr, PAIR_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, HEAD_BLOCK: tl.constexpr,
     DEPENDENT_LAUNCH: tl.constexpr,
 ):
     """One ``[BLOCK_T tokens, BLOCK_HEADS heads, head_dim]`` tile of one layer's K and V.
@@ -316,7 +324,7 @@ def _fused_kv_norm_rope_kernel(
     kv_rows = kv_ptr + tokens[:, None, None] * kv_stride_t + layer * kv_stride_l
     head_stride = HEAD_DIM * kv_stride_d
     k_first, k_second, k_tail = _load_head_rows(kv_rows + heads * head_stride, kv_stride_d, loaded, BLOCK_T,
-                                                BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ)
+                                                BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, PAIRED_DIM, GPTJ)
     head_dims = tl.arange(0, HEAD_BLOCK)[None, None, :]
     v = tl.load(kv_rows + (NUM_HEADS + heads) * head_stride + head_dims * kv_stride_d,
                 mask=loaded & (head_dims < HEAD_DIM))
@@ -324,7 +332,7 @@ def _fused_kv_norm_rope_kernel(
     cos, sin, w_first, w_second, w_tail, eps = _load_rotation_and_norm(
         cos_sin_table, positions, in_context & rotatable, tokens, heads, cos_sin_stride_p, cos_sin_stride_d,
         k_norm_weight_ptr, layer, weight_stride_l, weight_stride_d, eps_ptr, eps_stride,
-        BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ)
+        BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, PAIRED_DIM, GPTJ)
     # Each cache has its own scale: an fp8 K cache may sit beside a bf16 V cache.
     k_scale, k_inverse_scale = _layer_scale(k_scale_ptr, layer, k_scale_stride)
     v_scale, v_inverse_scale = _layer_scale(v_scale_ptr, layer, v_scale_stride)
@@ -337,10 +345,11 @@ def _fused_kv_norm_rope_kernel(
     tl.store(v_dest + head_dims * v_stride_d, v, mask=written & (head_dims < HEAD_DIM))
 
     inv_rms = _inverse_rms(k_first, k_second, k_tail, eps, rotatable, k_norm_weight_ptr, HEAD_DIM, TAIL_BLOCK)
-    k_first, k_second = _rotate(k_first * inv_rms * w_first, k_second * inv_rms * w_second, cos, sin)
+    k_first, k_second = _rotate(k_first * inv_rms * w_first, k_second * inv_rms * w_second, cos, sin, PAIR_BLOCK,
+                                ROTARY_DIM, PAIRED_DIM)
     k_dest = k_dest_ptr + layer * k_stride_l + rows * k_stride_row + heads * k_stride_h
     _store_head_rows(k_dest, k_stride_d, k_first, k_second, k_tail * inv_rms * w_tail, written, k_scale_ptr, k_scale,
-                     k_inverse_scale, BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, GPTJ)
+                     k_inverse_scale, BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, PAIRED_DIM, GPTJ)
 
 
 def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: int = 1, itemsize: int = 4,
@@ -419,6 +428,9 @@ _MAX_SHORT_PROGRAMS_PER_MULTIPROCESSOR = 16
 _TILE_ROWS = 8
 _SHORT_ROW_BYTES = 128
 _MIN_PROGRAMS_PER_MULTIPROCESSOR_OF_DOUBLED_ROWS = 8
+# A gptj row with a tail is loaded as pairs throughout (piece_blocks) where every multiprocessor has this many
+# programs.
+_MIN_PROGRAMS_PER_MULTIPROCESSOR_OF_WHOLE_ROWS = 8
 
 
 @functools.lru_cache(maxsize=4096)
@@ -433,14 +445,37 @@ def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, itemsize: int, b
     if config.num_kv_heads % block_heads or block_heads & (block_heads - 1):
         raise ValueError(f"Invalid block_heads for fused KV materialization: got "
                          f"{block_heads}, expected a power of two that divides {config.num_kv_heads}.")
-    tail = config.head_dim - config.rotary_dim
+    grid = -(-total_ctx // block_tokens) * n_layers * (config.num_kv_heads // block_heads)
+    # A gptj row is loaded as pairs throughout only where a multiprocessor has many programs:
+    # with few, each one's load latency decides, and the one wide load did not shorten it.
+    whole_rows = grid >= _MIN_PROGRAMS_PER_MULTIPROCESSOR_OF_WHOLE_ROWS * _multiprocessors()
     constexprs = (
         n_layers, config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style == "gptj",
-        block_tokens, block_heads, next_power_of_2(config.rotary_dim // 2),
-        next_power_of_2(tail) if tail else 0, next_power_of_2(config.head_dim), dependent_launch,
+        block_tokens, block_heads, *piece_blocks(config, whole_rows), dependent_launch,
     )
-    grid = -(-total_ctx // block_tokens) * n_layers * (config.num_kv_heads // block_heads)
     return grid, constexprs, num_warps or default_warps, dependent_launch
+
+
+def _paired_dims(config: FusedKVConfig, whole_rows: bool) -> int:
+    """The dims of a head row loaded as pairs: the rotary dims, or, given ``whole_rows``,
+    every dim of a gptj row that has a partner (the pairs past the rotary dims left as they
+    are) where that row's block has fewer elements than a block of the rotary dims and one
+    of the tail: K is then one load, as V, instead of two that leave more lanes idle."""
+    head_dim, rotary_dim = config.head_dim, config.rotary_dim
+    fewer_lanes = next_power_of_2(head_dim) < next_power_of_2(rotary_dim) + next_power_of_2(head_dim - rotary_dim)
+    if whole_rows and config.rope_style == "gptj" and rotary_dim < head_dim and fewer_lanes:
+        return head_dim & ~1
+    return rotary_dim
+
+
+def piece_blocks(config: FusedKVConfig, whole_rows: bool = False) -> tuple[int, int, int, int]:
+    """``(PAIRED_DIM, PAIR_BLOCK, TAIL_BLOCK, HEAD_BLOCK)`` of a head row: the dims loaded as
+    pairs (:func:`_paired_dims`), the pairs' block, the block of the dims past them (0 where
+    there are none) and the whole row's."""
+    paired = _paired_dims(config, whole_rows)
+    tail = config.head_dim - paired
+    return paired, next_power_of_2(paired // 2), next_power_of_2(tail) if tail else 0, \
+        next_power_of_2(config.head_dim)
 
 
 def tuned_plan(config: FusedKVConfig, total_ctx: int, n_layers: int, itemsize: int, tile: tuple,

@@ -1,9 +1,9 @@
 """Compiles the Triton kernels (the forward and the backward) for a Hopper GPU without one (to
 PTX and a cubin, which Triton's own ptxas builds), for every form a call can take: each
 optional argument given or None (``layer_rope_table_ptr`` given: per-layer cos/sin tables),
-both RoPE styles, with and without an unrotated tail, an fp32 or a bf16 table. Run by
-test_torch_kernel.py in a process without TRITON_INTERPRET; exits non-zero on the first
-form that does not compile, printing it and the compiler's error."""
+both RoPE styles, with and without an unrotated tail (a gptj one also as part of the pairs), an
+fp32 or a bf16 table. Run by test_torch_kernel.py in a process without TRITON_INTERPRET; exits
+non-zero on the first form that does not compile, printing it and the compiler's error."""
 
 import itertools
 import sys
@@ -13,6 +13,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fusedkv_torch import backward, kernel
+from interop.core.spec import FusedKVConfig
 
 OPTIONAL = ("k_norm_weight_ptr", "slots_ptr", "k_scale_ptr", "v_scale_ptr", "v_multiplier_ptr",
             "layer_rope_table_ptr")
@@ -40,8 +41,10 @@ def _compile(function, present: dict, absent: set, sizes: dict) -> None:
 
 def _sizes(gptj: bool, tail: int, **more) -> dict:
     head_dim = 128
+    config = FusedKVConfig(8, head_dim, head_dim - tail, "gptj" if gptj else "neox")
+    pieces = dict(zip(("PAIRED_DIM", "PAIR_BLOCK", "TAIL_BLOCK", "HEAD_BLOCK"), kernel.piece_blocks(config, whole_rows=True)))
     return dict(N_LAYERS=5, NUM_HEADS=8, HEAD_DIM=head_dim, ROTARY_DIM=head_dim - tail, GPTJ=gptj, BLOCK_T=2,
-                BLOCK_HEADS=4, PAIR_BLOCK=(head_dim - tail) // 2, TAIL_BLOCK=tail, HEAD_BLOCK=head_dim, **more)
+                BLOCK_HEADS=4, **pieces, **more)
 
 
 def compile_form(given: set, gptj: bool, tail: int, table: str = "*fp32") -> None:
@@ -76,7 +79,8 @@ def compile_backward_form(given: set, gptj: bool, tail: int) -> None:
 def main() -> int:
     forms = [set(), set(OPTIONAL)] + [set(OPTIONAL) - {name} for name in OPTIONAL]
     shapes = [(gptj, tail, "*fp32") for gptj, tail in itertools.product((False, True), (0, 64))]
-    shapes.append((False, 0, "*bf16"))
+    # A gptj row of rotary 32 of 128 is loaded as pairs throughout (kernel.piece_blocks).
+    shapes += [(False, 0, "*bf16"), (True, 96, "*fp32")]
     for given, (gptj, tail, table) in itertools.product(forms, shapes):
         try:
             compile_form(given, gptj, tail, table)
@@ -85,7 +89,8 @@ def main() -> int:
             return 1
     plain = [set(), {"k_norm_weight_ptr"}, {"v_multiplier_ptr"}, {"k_norm_weight_ptr", "v_multiplier_ptr"}]
     backward_forms = plain + [{"layer_rope_table_ptr"}, set(BACKWARD_OPTIONAL)]
-    for given, gptj, tail in itertools.product(backward_forms, (False, True), (0, 64)):
+    for given, (gptj, tail) in itertools.product(backward_forms, ((False, 0), (False, 64), (True, 0), (True, 64),
+                                                                  (True, 96))):
         try:
             compile_backward_form(given, gptj, tail)
         except Exception as error:  # the compiler's own errors, printed for the test's message

@@ -69,6 +69,35 @@ def test_token_tiles_and_head_groups_cover_a_ragged_context(style, block_tokens,
     assert_matches_reference(inputs, config, k, v)
 
 
+def test_only_a_gptj_row_whose_block_has_fewer_lanes_than_its_pieces_is_loaded_as_pairs_throughout():
+    cases = {FusedKVConfig(2, 96, 24, "gptj"): (96, 64, 0, 128),  # a 128 block, not 32 and 128
+             FusedKVConfig(2, 97, 24, "gptj"): (96, 64, 1, 128),  # the odd last dim its own tail
+             FusedKVConfig(2, 80, 40, "gptj"): (40, 32, 64, 128),  # 128 lanes either way
+             FusedKVConfig(2, 96, 24, "neox"): (24, 16, 128, 128),  # halves have no pairs past the rotary dims
+             FusedKVConfig(2, 128, 128, "gptj"): (128, 64, 0, 128)}
+    for config, blocks in cases.items():
+        assert kernel_module.piece_blocks(config, whole_rows=True) == blocks
+        assert kernel_module.piece_blocks(config)[0] == config.rotary_dim  # without whole rows: the rotary dims
+
+
+@pytest.mark.parametrize("head_dim", [96, 97])
+@pytest.mark.parametrize("block_tokens, whole_rows", [(1, True), (8, False)])
+def test_a_gptj_row_with_a_tail_is_right_loaded_as_pairs_throughout_and_in_pieces(head_dim, block_tokens,
+                                                                                  whole_rows):
+    # One-token tiles of one head give every multiprocessor 8 programs (rows loaded as pairs
+    # throughout); eight-token tiles about one (a rotary piece and a tail).
+    config = FusedKVConfig(2, head_dim, 24, "gptj")
+    total_ctx = 4 * kernel_module._multiprocessors() + 3
+    inputs = random_inputs(config, n_layers=1, total_ctx=total_ctx, max_position=4096, seed=head_dim)
+    kv, *rest = on_device(inputs)
+    _, constexprs, _, _ = kernel_module.tuned_plan(config, total_ctx, 1, kv.element_size(), (block_tokens, 1, 1),
+                                                   False)
+    assert constexprs[7] == (96 if whole_rows else 24)
+    k, v = poisoned((1, total_ctx, 2, head_dim), kv.dtype), poisoned((1, total_ctx, 2, head_dim), kv.dtype)
+    launch(kv, *rest, k, v, config=config, block_tokens=block_tokens, block_heads=1, num_warps=1)
+    assert_matches_reference(inputs, config, k, v)
+
+
 @pytest.mark.parametrize("total_ctx, tile", [(127, (2, 1)), (130, (2, 4)), (257, (4, 4))])
 def test_decode_and_mid_size_contexts_on_their_default_tiles(total_ctx, tile):
     # Below 128 tokens two-token one-head tiles; between and beyond, tiles of about 8 head rows
