@@ -224,8 +224,8 @@ def _layer_table(cos_sin_ptr, table_ptr, layer, table_stride, cos_sin_stride_tab
 @triton.jit
 def _rotate(first, second, cos, sin, PAIR_BLOCK: tl.constexpr, ROTARY_DIM: tl.constexpr, PAIRED_DIM: tl.constexpr):
     """RoPE of every pair ``(first, second)`` of the first ``ROTARY_DIM`` dims; where the pairs
-    run past them (``PAIRED_DIM``), those pairs as they are (a select, where their cos and sin
-    of 0 would make an infinite member's partner NaN)."""
+    run past them (``PAIRED_DIM``), those pairs as they are: a select, since their cos and sin
+    load as 0."""
     rotated_first, rotated_second = first * cos - second * sin, second * cos + first * sin
     if PAIRED_DIM > ROTARY_DIM:
         rotated = tl.arange(0, PAIR_BLOCK)[None, None, :] < ROTARY_DIM // 2

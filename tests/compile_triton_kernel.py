@@ -42,7 +42,8 @@ def _compile(function, present: dict, absent: set, sizes: dict) -> None:
 def _sizes(gptj: bool, tail: int, **more) -> dict:
     head_dim = 128
     config = FusedKVConfig(8, head_dim, head_dim - tail, "gptj" if gptj else "neox")
-    pieces = dict(zip(("PAIRED_DIM", "PAIR_BLOCK", "TAIL_BLOCK", "HEAD_BLOCK"), kernel.piece_blocks(config, whole_rows=True)))
+    blocks = kernel.piece_blocks(config, whole_rows=True)
+    pieces = dict(zip(("PAIRED_DIM", "PAIR_BLOCK", "TAIL_BLOCK", "HEAD_BLOCK"), blocks))
     return dict(N_LAYERS=5, NUM_HEADS=8, HEAD_DIM=head_dim, ROTARY_DIM=head_dim - tail, GPTJ=gptj, BLOCK_T=2,
                 BLOCK_HEADS=4, **pieces, **more)
 

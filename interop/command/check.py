@@ -127,8 +127,8 @@ class CheckOptions:
     def interpreted_seconds(self) -> float:
         """About how long the check takes in interpret mode (no GPU), startup aside: a
         function of every size and of the installed backends it runs (see the constants
-        above); with ``grad`` 2.6 times that: a backward pass costs the forward's, and its
-        interpreted programs about 1.6 times the forward's (cProfile of the check)."""
+        above); with ``grad`` more than twice that: a backward pass runs the forward again,
+        and each of its interpreted programs does more than a forward one."""
         names = [name for name in self.backend_names if backend_installed(name)]
         elements = self.kv_elements()
         seconds = (INTERPRETED_SECONDS_PER_KV_ELEMENT * elements
