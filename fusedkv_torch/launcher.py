@@ -1,6 +1,6 @@
 """Launching a compiled Triton kernel again without Triton's per-call Python: the one module
-that reads Triton's private API (its binder, ``JITFunction.device_caches``, and
-``knobs.runtime``), each read with a fallback to ``kernel[grid]``;
+that reads Triton's private API (its binder, ``JITFunction.device_caches``, a compiled
+kernel's launcher and ``knobs.runtime``), each read with a fallback to ``kernel[grid]``;
 ``tests/test_private_doors.py`` fails when a supported Triton moves them.
 
 ``kernel[grid](*args)`` binds and specializes every argument, builds a cache key from
@@ -9,9 +9,12 @@ microseconds of host time for a kernel of some forty arguments, more than the ke
 itself runs at decode sizes. :class:`DirectLauncher` pays that once per specialization:
 the first call of a new key goes through ``kernel[grid]``, which compiles, launches and
 returns the compiled kernel; later calls of that key hand raw addresses and integers to
-the compiled kernel's own runner, ``compiled[grid](*args)`` (Triton's public way to launch
-a compiled kernel: it takes the current stream from Triton's driver and calls the launch
-hooks, as ``JITFunction.run`` does; the same on Triton 3.6 to 3.9).
+the compiled kernel's launcher, ``compiled.run``, with the current stream from Triton's
+driver: what ``compiled[grid](*args)`` (Triton's public way to launch a compiled kernel)
+does without building its runner and launch metadata on every call, which no launch hook
+reads (launches a hook watches go through ``kernel[grid]``). The same on Triton 3.6 to
+3.9; a compiled kernel without ``run``, ``function`` or ``packed_metadata`` is launched
+through ``compiled[grid]``.
 
 The key must decide what Triton specializes a compilation on, which on Triton 3.6 to
 3.9 (``native_specialize_impl``) is: for a tensor its dtype and whether its address is
@@ -76,6 +79,7 @@ class DirectLauncher:
         self.interpreted = not hasattr(kernel, "device_caches")  # the interpreter's, not a JITFunction
         self.direct = not self.interpreted
         self._runtime_knobs = knobs.runtime
+        self._current_stream = None  # Triton's driver's, read at the first direct launch
         self._by_signature: dict[tuple, dict] = {}
         # The integers' part of the key, by the integers: a caller's strides take few
         # values, and the key costs more host time than looking it up.
@@ -103,10 +107,11 @@ class DirectLauncher:
                 if len(self._integer_keys) >= _MAX_INTEGER_KEYS:
                     self._integer_keys.clear()
                 integer_key = self._integer_keys[ints] = tuple(_integer_key(ints))
-            key = (torch.cuda.current_device(), *_address_key(addresses), *integer_key)
-            kernel = compiled.get(key)
-            if kernel is not None:
-                kernel[(grid, 1, 1)](*addresses, *plain_ints, *ints, *constexprs)
+            device = torch.cuda.current_device()
+            key = (device, *_address_key(addresses), *integer_key)
+            launch = compiled.get(key)
+            if launch is not None:
+                launch(grid, self._current_stream(device), *addresses, *plain_ints, *ints, *constexprs)
                 return
             self._compile_and_launch(compiled, key, grid, tensors, addresses, plain_ints, ints, constexprs,
                                      dict(num_warps=num_warps, launch_pdl=launch_pdl))
@@ -117,9 +122,13 @@ class DirectLauncher:
         """Whether Triton's debug mode is on or a hook watches launches (a profiler):
         those want every launch through ``kernel[grid]``."""
         knobs = self._runtime_knobs
+        if knobs.debug:
+            return True
         # A hook is None, a callable, or a HookChain (Triton 3.6 on) whose ``calls`` may be empty.
-        return bool(knobs.debug or any(hook is not None and getattr(hook, "calls", True)
-                                       for hook in (knobs.launch_enter_hook, knobs.launch_exit_hook)))
+        for hook in (knobs.launch_enter_hook, knobs.launch_exit_hook):
+            if hook is not None and getattr(hook, "calls", True):
+                return True
+        return False
 
     def _compile_and_launch(self, compiled, key, grid, tensors, addresses, plain_ints, ints, constexprs,
                             options: dict) -> None:
@@ -135,8 +144,40 @@ class DirectLauncher:
             _, specialization, _ = binder(*args, **options)
             expected = expected_attributes(addresses, plain_ints, ints)
             if [attribute for _, attribute in specialization[:len(expected)]] == expected:
-                compiled[key] = kernel
+                if self._current_stream is None:
+                    self._current_stream = _driver_stream_getter()
+                compiled[key] = _launch_of(kernel)
             else:
                 self.direct = False
         except Exception:  # a Triton whose internals differ: launch through kernel[grid] from now on
             self.direct = False
+
+
+def _driver_stream_getter():
+    """Triton's driver's current stream by device, as ``compiled[grid]`` reads it."""
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_stream
+
+
+def _launch_of(kernel):
+    """``launch(grid, stream, *args)`` of a compiled ``kernel``: :class:`Launch`, or
+    ``kernel[grid]`` where the compiled kernel lacks the parts ``kernel[grid]`` hands its launcher."""
+    if all(hasattr(kernel, name) for name in ("run", "function", "packed_metadata")):
+        return Launch(kernel)
+    return lambda grid, stream, *args: kernel[(grid, 1, 1)](*args, stream=stream)
+
+
+class Launch:
+    """A compiled kernel's launcher on a one-axis grid, with no launch metadata or hooks (no
+    hook watches a direct launch). ``kernel``: the compiled kernel, whose ``kernel[grid]``
+    launches it the same way through Triton."""
+
+    __slots__ = ("kernel", "_run", "_function", "_metadata")
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._run, self._function, self._metadata = kernel.run, kernel.function, kernel.packed_metadata
+
+    def __call__(self, grid: int, stream: int, *args) -> None:
+        self._run(grid, 1, 1, stream, self._function, self._metadata, None, None, None, *args)

@@ -68,9 +68,9 @@ class PreparedCall:
                check_positions: bool, v_multiplier=None, layer_rope_table=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The op on the arguments :func:`prepare_call` accepted: ``(k_out, v_out)``,
         allocated here where None."""
-        call = self.call
-        positions = _moved(positions, kv.device, non_blocking=True)
-        v_multiplier, layer_rope_table = _moved(v_multiplier, kv.device), _moved(layer_rope_table, kv.device)
+        call, device = self.call, kv.device
+        positions = _moved(positions, device, non_blocking=True)
+        v_multiplier, layer_rope_table = _moved(v_multiplier, device), _moved(layer_rope_table, device)
         if check_positions and call.total_ctx:
             _check_positions_in_range(positions, call.max_position)
         if k_out is None:
@@ -246,13 +246,17 @@ _ARRAY_NAMES = ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions")
 
 def requires_grad(*tensors) -> bool:
     """Whether autograd records a call on ``tensors``: grad mode is on and one of them requires grad."""
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    if torch.is_grad_enabled():
+        for tensor in tensors:  # a loop, not any(): this runs on every eager call
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                return True
+    return False
 
 
 def _check_differentiable(kv, k_norm_weight, v_multiplier, k_out, v_out) -> None:
     """Refuse what a call autograd records cannot take: outputs given (buffers written in place
     carry no gradient)."""
-    if requires_grad(kv, k_norm_weight, v_multiplier):
+    if (k_out is not None or v_out is not None) and requires_grad(kv, k_norm_weight, v_multiplier):
         for name, out in (("k_out", k_out), ("v_out", v_out)):
             if out is not None:
                 raise ValueError(

@@ -955,12 +955,26 @@ def test_the_launch_capture_records_the_compiled_kernel_its_grid_and_arguments_a
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launched.append((grid, args, kwargs))
 
+    class Launch:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __call__(self, grid, stream, *args):
+            launched.append(("direct", grid, stream, args))
+
     kernel = Compiled()
-    seen = captured_launches(lambda: kernel[(4, 1, 1)](1, 2, stream=None), kernel_class=Compiled)
-    assert seen == [(kernel, (4, 1, 1), (1, 2), {"stream": None})]
-    assert launched == [((4, 1, 1), (1, 2), {"stream": None})]
+    direct = Launch(kernel)
+
+    def both():
+        kernel[(4, 1, 1)](1, 2, stream=None)
+        direct(8, 77, 5, 6)
+
+    seen = captured_launches(both, kernel_class=Compiled, launch_class=Launch)
+    assert seen == [(kernel, (4, 1, 1), (1, 2), {"stream": None}), (kernel, (8, 1, 1), (5, 6), {})]
+    assert launched == [((4, 1, 1), (1, 2), {"stream": None}), ("direct", 8, 77, (5, 6))]
     kernel[(2, 1, 1)](3)
-    assert len(seen) == 1 and len(launched) == 2  # the class is as it was
+    direct(1, 0)
+    assert len(seen) == 2 and len(launched) == 4  # the classes are as they were
 
 
 @pytest.mark.skipif(ON_GPU, reason="interpreted, the Triton kernel has no compiled launch")

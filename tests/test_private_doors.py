@@ -15,7 +15,7 @@ def test_jaxlib_still_offers_the_dlpack_import_interop_calls():
     assert jaxlib_dlpack._jaxlib_import_buffer() is not None
 
 
-def test_triton_still_offers_the_binder_and_knobs_the_direct_launcher_reads(tmp_path):
+def test_triton_still_offers_the_binder_knobs_and_compiled_launcher_the_direct_launcher_reads(tmp_path):
     pytest.importorskip("triton")
     # A compiled-mode JITFunction (the interpreter, which conftest turns on, has no binder),
     # from a file: Triton reads a kernel's source.
@@ -30,6 +30,11 @@ def test_triton_still_offers_the_binder_and_knobs_the_direct_launcher_reads(tmp_
         "runtime = knobs.runtime\n"
         "for name in ('debug', 'launch_enter_hook', 'launch_exit_hook'):\n"
         "    getattr(runtime, name)\n"
+        "import inspect\n"
+        "from triton.compiler import CompiledKernel\n"
+        "source = inspect.getsource(CompiledKernel)\n"
+        "for part in ('def run', 'self.function', 'self.packed_metadata'):\n"
+        "    assert part in source, 'CompiledKernel: ' + part\n"
     )
     result = subprocess.run([sys.executable, str(probe)], env={"PATH": "/usr/bin:/bin"}, capture_output=True,
                             text=True)

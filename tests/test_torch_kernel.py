@@ -32,7 +32,7 @@ from fusedkv_torch import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_torch import kernel as kernel_module
 from fusedkv_torch import ops as ops_module
 from fusedkv_torch.kernel import launch
-from fusedkv_torch.launcher import expected_attributes, specialization_key
+from fusedkv_torch.launcher import Launch, expected_attributes, specialization_key
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -772,6 +772,9 @@ def test_repeated_eager_calls_launch_directly_for_every_alignment():
         counts.append(compiled_launches())
     assert kernel_module._launcher.direct
     assert counts == [before + 3, before + 3]
+    kept = [launch for accepted in spec_module._ACCEPTED_CALLS.values() if "torch" in accepted.prepared
+            for launch in accepted.prepared["torch"].compiled.values()]
+    assert kept and all(isinstance(launch, Launch) for launch in kept)  # Triton's launcher, not compiled[grid]
 
 
 @gpu

@@ -85,28 +85,37 @@ def pallas_steps(workload: Workload, **options) -> Steps:
     return op_steps(workload, step)
 
 
-def captured_launches(call: Callable[[], object], kernel_class=None) -> list[tuple]:
+def captured_launches(call: Callable[[], object], kernel_class=None, launch_class=None) -> list[tuple]:
     """``(compiled, grid, args, kwargs)`` of every compiled Triton kernel that ``call()``
-    launches through ``compiled[grid](*args)``, Triton's public way to launch a compiled
-    kernel (``kernel_class``: Triton's ``CompiledKernel``, or a stand-in)."""
+    launches, such that ``compiled[grid](*args, **kwargs)`` (Triton's public way to launch a
+    compiled kernel) launches it again the same way: launches through that way
+    (``kernel_class``: Triton's ``CompiledKernel``, or a stand-in) and through the direct
+    launcher's ``launch_class`` (:class:`fusedkv_torch.launcher.Launch`, or a stand-in with
+    its ``kernel`` and call)."""
     if kernel_class is None:
         from triton.compiler import CompiledKernel as kernel_class
+    if launch_class is None:
+        from fusedkv_torch.launcher import Launch as launch_class
     launches = []
-    original = kernel_class.__getitem__
+    original_getitem, original_call = kernel_class.__getitem__, launch_class.__call__
 
-    def recording(compiled, grid):
-        runner = original(compiled, grid)
+    def recording_getitem(compiled, grid):
+        runner = original_getitem(compiled, grid)
 
         def run(*args, **kwargs):
             launches.append((compiled, grid, args, kwargs))
             return runner(*args, **kwargs)
         return run
 
-    kernel_class.__getitem__ = recording
+    def recording_call(launch, grid, stream, *args):
+        launches.append((launch.kernel, (grid, 1, 1), args, {}))  # Triton then reads the stream itself
+        return original_call(launch, grid, stream, *args)
+
+    kernel_class.__getitem__, launch_class.__call__ = recording_getitem, recording_call
     try:
         call()
     finally:
-        kernel_class.__getitem__ = original
+        kernel_class.__getitem__, launch_class.__call__ = original_getitem, original_call
     return launches
 
 

@@ -435,6 +435,8 @@ def check_output_buffers(kv, outputs) -> None:
     elements do is decided once per relative layout (their spans, then
     ``np.shares_memory``) and remembered.
     """
+    if _apart_torch_allocations(kv, outputs):
+        return
     seen = None
     for name, out in outputs:
         if out is None:
@@ -475,15 +477,42 @@ def check_output_buffers(kv, outputs) -> None:
         seen.append((name, out, extent))
 
 
+def _apart_torch_allocations(kv, outputs) -> bool:
+    """Whether ``kv`` and the given outputs are contiguous torch tensors (no zero strides) in
+    allocations that pairwise do not meet: the common case, decided with a few attribute
+    reads each; False sends the call through the full check."""
+    extents = None
+    for _, out in outputs:
+        if out is None:
+            continue
+        if extents is None:  # kv's read only where an output is given: traced calls give none
+            if framework_of(kv) != "torch":
+                return False
+            extents = [_allocation(kv)]
+        if framework_of(out) != "torch" or not out.is_contiguous():
+            return False
+        low, high = extent = _allocation(out)
+        for other_low, other_high in extents:
+            if low < other_high and other_low < high:
+                return False
+        extents.append(extent)
+    return True
+
+
+def _allocation(tensor) -> tuple[int, int]:
+    """The bytes ``[low, high)`` of a torch tensor's storage."""
+    storage = tensor.untyped_storage()
+    low = storage.data_ptr()
+    return low, low + storage.nbytes()
+
+
 def _extent(array, framework: str | None) -> tuple[int, int] | None:
     """Bytes ``[low, high)`` that hold all of ``array``'s elements, cheaply: a torch
     tensor's storage (its allocation, or the memory it was imported from), the span
     of the elements otherwise; None for arrays never written in place (jax) or
     without memory yet (tracers)."""
     if framework == "torch":
-        storage = array.untyped_storage()
-        low = storage.data_ptr()
-        return low, low + storage.nbytes()
+        return _allocation(array)
     layout = _layout(array)
     return None if layout is None else _span(layout)
 
