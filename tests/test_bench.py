@@ -733,7 +733,7 @@ def test_a_raising_implementation_is_recorded_and_the_run_goes_on():
 # rest. pallas-mosaic takes no TINY shape (its own tests above); Triton's own launch needs a
 # compiled kernel (its own test below).
 CHECKED_HERE = [i for i in IMPLEMENTATIONS if (ON_GPU or i.name not in ("torch-compile", "torch-compile-host",
-                                                                         "triton-launch"))
+                                                                         "triton-launch", "triton-launch-reads"))
                 and i.name != "pallas-mosaic"]
 
 
@@ -992,12 +992,13 @@ def test_tritons_own_launch_is_not_applicable_where_the_kernel_is_interpreted():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="launches the compiled kernel")
-def test_on_a_gpu_tritons_own_launch_writes_the_ops_outputs_and_is_timed():
+@pytest.mark.parametrize("name", ["triton-launch", "triton-launch-reads"])
+def test_on_a_gpu_tritons_own_launch_writes_the_ops_outputs_and_is_timed(name):
     from interop.bench.runner import measure
     from interop.bench.workload import Workload
 
     workload = Workload(TINY, 3, "bfloat16", framework="torch", set_count=2)
-    measurement = measure(BY_NAME["triton-launch"], workload, ONCE, shape=TINY, total_ctx=3, dtype="bfloat16")
+    measurement = measure(BY_NAME[name], workload, ONCE, shape=TINY, total_ctx=3, dtype="bfloat16")
     assert measurement.check == "ok" and measurement.seconds is not None
 
 
@@ -1008,8 +1009,9 @@ def test_the_host_option_runs_the_eager_rows_at_decode_size_against_tritons_laun
     assert words_to_run(args) == ["host", "interop"] and token_counts(args) == [16]
     runnable, _ = select(words_to_run(args), {"torch": "gpu", "jax": "gpu"})
     assert {i.clock for i in runnable} == {"host"}
-    assert [i.name for i in runnable][:6] == ["interop-torch", "interop-jax", "interop-jax-to-torch",
-                                              "interop-torch-to-jax", "triton-launch", "triton-host"]
+    assert [i.name for i in runnable][:7] == ["interop-torch", "interop-jax", "interop-jax-to-torch",
+                                              "interop-torch-to-jax", "triton-launch", "triton-launch-reads",
+                                              "triton-host"]
     assert token_counts(_parser().parse_args(["--host", "--tokens", "4,1"])) == [1, 4]
     assert words_to_run(_parser().parse_args(["--host", "--only", "triton-host"])) == ["triton-host"]
     assert words_to_run(_parser().parse_args([])) is None  # every row

@@ -25,7 +25,9 @@ Kinds:
 * ``interop``: the backend-neutral call, in one framework and crossing between them;
 * ``host``: an eager call, timed on the host (host dispatch, not device time), and
   ``triton-launch``, Triton's own launch of the compiled kernel the ``triton-host`` call
-  runs, with its arguments ready: the floor under every eager call of it.
+  runs, with its arguments ready: the floor under every eager call of it; and
+  ``triton-launch-reads``, that launch after reading what an eager call must read of each
+  tensor it is given.
 
 The tiles and forms of ``--sweep`` and ``--forms`` are rows of kind ``sweep``
 (:mod:`interop.bench.sweep`). A ``prepare`` function takes a
@@ -54,6 +56,7 @@ KINDS = ("kernel", "backward", "baseline", "copy", "floor", "materializer", "opt
 # The custom call jax lowers a Mosaic GPU kernel to (jax 0.10-0.11).
 MOSAIC_GPU_TARGET = "mosaic_gpu_v2"  # a regex of one name
 LAUNCH_FLOOR = "triton-launch"
+LAUNCH_READS = "triton-launch-reads"
 
 
 def triton_calls(workload: Workload, **tile) -> Calls:
@@ -119,9 +122,12 @@ def captured_launches(call: Callable[[], object], kernel_class=None, launch_clas
     return launches
 
 
-def _triton_launch(workload: Workload) -> Calls:
+def _triton_launch(workload: Workload, read_arguments: bool = False) -> Calls:
     """Triton's own launch of the kernel that ``triton-host``'s call launches, with that
-    call's arguments: what is left of an eager call once everything else is taken away."""
+    call's arguments: what is left of an eager call once everything else is taken away.
+    ``read_arguments``: before each launch, read what an eager call cannot skip reading of
+    each tensor it is given (shape, dtype and device, to know the call is one validated
+    before; address and strides, to launch it), and nothing more."""
     eager = triton_calls(workload)
     for _ in range(3):  # the first call compiles; later ones launch the compiled kernel directly
         k, v = eager.call(0)
@@ -130,8 +136,11 @@ def _triton_launch(workload: Workload) -> Calls:
         raise NotApplicable("the Triton call launched no compiled kernel of its own (interpreted, "
                             "or launched through kernel[grid])")
     compiled, grid, args, kwargs = launches[0]
+    tensors = [array for array in (*workload.op_args(0, "torch"), k, v) if array is not None] if read_arguments else []
 
     def call(i):
+        for tensor in tensors:
+            tensor.shape, tensor.dtype, tensor.device, tensor.data_ptr(), tensor.stride()
         compiled[grid](*args, **kwargs)
         return k, v
 
@@ -352,6 +361,8 @@ IMPLEMENTATIONS = (
     Implementation("interop-torch-to-jax", "torch->jax", "interop",
                    functools.partial(_interop, caller="torch", backend="jax"), clock="host"),
     Implementation(LAUNCH_FLOOR, "torch", "host", _triton_launch, clock="host", does_op=False),
+    Implementation(LAUNCH_READS, "torch", "host", functools.partial(_triton_launch, read_arguments=True),
+                   clock="host", does_op=False),
     Implementation("triton-host", "torch", "host", triton_calls, clock="host"),
     Implementation("triton-host-fresh", "torch", "host", _triton_fresh, clock="host"),
     Implementation("pallas-host", "jax", "host", _pallas_eager, clock="host"),
