@@ -478,9 +478,9 @@ def check_output_buffers(kv, outputs) -> None:
 
 
 def _apart_torch_allocations(kv, outputs) -> bool:
-    """Whether ``kv`` and the given outputs are contiguous torch tensors (no zero strides) in
-    allocations that pairwise do not meet: the common case, decided with a few attribute
-    reads each; False sends the call through the full check."""
+    """Whether ``kv`` (any layout) and the given outputs (contiguous, so without zero strides)
+    are torch tensors in allocations that pairwise do not meet: the common case, decided with
+    a few attribute reads each; False sends the call through the full check."""
     extents = None
     for _, out in outputs:
         if out is None:
