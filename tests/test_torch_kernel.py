@@ -382,6 +382,17 @@ def test_k_and_v_side_by_side_in_one_pool_share_no_element_and_are_written():
     assert_matches_reference(inputs, CONFIG, k, v)
 
 
+def test_outputs_without_elements_pass_inside_kv_and_given_twice():
+    kv = torch.zeros(3, 2, 32, dtype=torch.bfloat16)
+    inside = kv.reshape(-1)[:0].view(0, 3, 2, 8)  # an empty view of kv's own storage
+    empty = torch.empty(0, 3, 2, 8, dtype=torch.bfloat16)
+    for k_out, v_out in ((inside, empty), (empty, empty), (empty, inside), (inside, inside)):
+        spec_module.check_output_buffers(kv, (("k_out", k_out), ("v_out", v_out)))
+    with pytest.raises(ValueError, match=re.escape("Invalid v_out for fused KV materialization: "
+                                                   + OVERLAP_MESSAGE.format("kv"))):
+        spec_module.check_output_buffers(kv, (("k_out", empty), ("v_out", kv.view(3, 2, 2, 16)[:2])))
+
+
 @pytest.mark.parametrize("override, error, message", [
     (dict(block_tokens=2.0), TypeError,
      "Invalid block_tokens for fused KV materialization: got 2.0 (float), expected a power of two (an int)."),

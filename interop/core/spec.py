@@ -435,90 +435,69 @@ def check_output_buffers(kv, outputs) -> None:
     elements do is decided once per relative layout (their spans, then
     ``np.shares_memory``) and remembered.
     """
-    if _apart_torch_allocations(kv, outputs):
-        return
     seen = None
     for name, out in outputs:
         if out is None:
             continue
-        if seen is None:
-            seen = [] if kv is None else [("kv", kv, _extent(kv, framework_of(kv)))]
-        if 0 in _shape(out):  # no element: nothing to write, no memory to share
-            continue
+        if seen is None:  # kv is read only where an output is given: traced calls give none
+            seen = [] if kv is None else [("kv", kv, *_extent(kv, framework_of(kv)))]
         framework = framework_of(out)
-        if framework == "numpy" and not out.flags.writeable:
-            raise ValueError(
-                f"Invalid {name} for fused KV materialization: got a read-only array, "
-                f"expected a writable one (pass a copy: np.array({name}))."
-            )
-        # A contiguous torch tensor has no zero stride on a dimension of size > 1.
+        # A contiguous torch tensor (the common case) is writable and has no zero stride.
         if framework != "torch" or not out.is_contiguous():
-            layout = _layout(out)
-            if layout is not None and 0 in layout[2] and any(
-                    step == 0 and size > 1 for size, step in zip(layout[1], layout[2])):
-                raise ValueError(
-                    f"Invalid {name} for fused KV materialization: got strides {tuple(layout[2])} "
-                    "with a zero stride, expected no zero strides."
-                )
-        extent = _extent(out, framework)
-        for other_name, other, other_extent in seen:
-            shared = out is other or (_meet(extent, other_extent) and _share_memory(out, other))
-            if shared is None:
-                raise ValueError(
-                    f"Invalid {name} for fused KV materialization: got a buffer whose overlap with "
-                    f"{other_name} could not be ruled out, expected outputs that overlap neither "
-                    "each other nor kv."
-                )
-            if shared:
-                raise ValueError(
-                    f"Invalid {name} for fused KV materialization: got a buffer overlapping "
-                    f"{other_name}, expected outputs that overlap neither each other nor kv."
-                )
-        seen.append((name, out, extent))
+            if 0 in out.shape:  # no element: nothing to write, no memory to share
+                continue
+            _check_writable_layout(name, out, framework)
+        low, high = _extent(out, framework)
+        for other_name, other, other_low, other_high in seen:
+            if out is other or (low < other_high and other_low < high):
+                _check_apart(name, out, other_name, other)
+        seen.append((name, out, low, high))
 
 
-def _apart_torch_allocations(kv, outputs) -> bool:
-    """Whether ``kv`` (any layout) and the given outputs (contiguous, so without zero strides)
-    are torch tensors in allocations that pairwise do not meet: the common case, decided with
-    a few attribute reads each; False sends the call through the full check."""
-    extents = None
-    for _, out in outputs:
-        if out is None:
-            continue
-        if extents is None:  # kv's read only where an output is given: traced calls give none
-            if framework_of(kv) != "torch":
-                return False
-            extents = [_allocation(kv)]
-        if framework_of(out) != "torch" or not out.is_contiguous():
-            return False
-        low, high = extent = _allocation(out)
-        for other_low, other_high in extents:
-            if low < other_high and other_low < high:
-                return False
-        extents.append(extent)
-    return True
+def _check_apart(name, out, other_name, other) -> None:
+    """Refuse ``out`` where it shares an element with ``other`` (their extents meet)."""
+    if 0 in out.shape:  # no element: nothing to write, no memory to share
+        return
+    shared = out is other or _share_memory(out, other)
+    if shared is None:
+        raise ValueError(
+            f"Invalid {name} for fused KV materialization: got a buffer whose overlap with "
+            f"{other_name} could not be ruled out, expected outputs that overlap neither "
+            "each other nor kv."
+        )
+    if shared:
+        raise ValueError(
+            f"Invalid {name} for fused KV materialization: got a buffer overlapping "
+            f"{other_name}, expected outputs that overlap neither each other nor kv."
+        )
 
 
-def _allocation(tensor) -> tuple[int, int]:
-    """The bytes ``[low, high)`` of a torch tensor's storage."""
-    storage = tensor.untyped_storage()
-    low = storage.data_ptr()
-    return low, low + storage.nbytes()
+def _check_writable_layout(name, out, framework) -> None:
+    """Refuse a read-only NumPy array and a zero stride on a dimension of size > 1."""
+    if framework == "numpy" and not out.flags.writeable:
+        raise ValueError(
+            f"Invalid {name} for fused KV materialization: got a read-only array, "
+            f"expected a writable one (pass a copy: np.array({name}))."
+        )
+    layout = _layout(out)
+    if layout is not None and any(step == 0 and size > 1 for size, step in zip(layout[1], layout[2])):
+        raise ValueError(
+            f"Invalid {name} for fused KV materialization: got strides {tuple(layout[2])} "
+            "with a zero stride, expected no zero strides."
+        )
 
 
-def _extent(array, framework: str | None) -> tuple[int, int] | None:
+def _extent(array, framework: str | None) -> tuple[int, int]:
     """Bytes ``[low, high)`` that hold all of ``array``'s elements, cheaply: a torch
     tensor's storage (its allocation, or the memory it was imported from), the span
-    of the elements otherwise; None for arrays never written in place (jax) or
-    without memory yet (tracers)."""
+    of the elements otherwise; an empty range, which meets none, for arrays never
+    written in place (jax) or without memory yet (tracers)."""
     if framework == "torch":
-        return _allocation(array)
+        storage = array.untyped_storage()
+        low = storage.data_ptr()
+        return low, low + storage.nbytes()
     layout = _layout(array)
-    return None if layout is None else _span(layout)
-
-
-def _meet(a: tuple[int, int] | None, b: tuple[int, int] | None) -> bool:
-    return a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
+    return (0, 0) if layout is None else _span(layout)
 
 
 def _layout(array) -> tuple | None:
@@ -581,7 +560,8 @@ def _share_memory(a_array, b_array) -> bool | None:
     except KeyError:
         pass
     shared = False
-    if _meet(_span(a), _span(b)):
+    (a_low, a_high), (b_low, b_high) = _span(a), _span(b)
+    if a_low < b_high and b_low < a_high:
         try:
             shared = bool(np.shares_memory(_described(a), _described(b), max_work=_OVERLAP_WORK_LIMIT))
         except np.exceptions.TooHardError:
