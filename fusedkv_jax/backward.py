@@ -159,7 +159,7 @@ def _pallas_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multipl
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def differentiable_launch(options: tuple, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest,
+def _differentiable_launch(options: tuple, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest,
                           v_multiplier, layer_rope_table):
     """:func:`fusedkv_jax.kernel._launch` of a call without a cache, differentiable:
     ``options`` are its static arguments as ``tuple(dict.items())``."""
@@ -169,7 +169,7 @@ def differentiable_launch(options: tuple, kv, k_norm_weight, eps, cos_sin_cache,
 
 def _forward(options, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, v_multiplier,
              layer_rope_table):
-    outputs = differentiable_launch(options, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest,
+    outputs = _differentiable_launch(options, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest,
                                     v_multiplier, layer_rope_table)
     return outputs, (kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table)
 
@@ -189,7 +189,7 @@ def _backward(options, residuals, cotangents):
     return grad_kv, grad_weight, None, None, None, None, None, grad_multiplier, None
 
 
-differentiable_launch.defvjp(_forward, _backward)
+_differentiable_launch.defvjp(_forward, _backward)
 
 # The backward kernel, which a second derivative refuses: autodiff of its kernel would fail inside jax.
 _first_order_backward = refusing_derivatives(
@@ -202,7 +202,7 @@ _first_order_backward = refusing_derivatives(
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def differentiable_mosaic_launch(options: tuple, kv, k_norm_weight, eps, cos_sin_cache, positions):
+def _differentiable_mosaic_launch(options: tuple, kv, k_norm_weight, eps, cos_sin_cache, positions):
     """:func:`fusedkv_jax.mosaic_kernel.launch`, differentiable: its backward is this module's
     kernel (Mosaic GPU has none), on the tile the Triton lowering's forward would take."""
     options = dict(options)
@@ -211,7 +211,7 @@ def differentiable_mosaic_launch(options: tuple, kv, k_norm_weight, eps, cos_sin
 
 
 def _mosaic_forward(options, kv, k_norm_weight, eps, cos_sin_cache, positions):
-    outputs = differentiable_mosaic_launch(options, kv, k_norm_weight, eps, cos_sin_cache, positions)
+    outputs = _differentiable_mosaic_launch(options, kv, k_norm_weight, eps, cos_sin_cache, positions)
     return outputs, (kv, k_norm_weight, eps, cos_sin_cache, positions, None, None)
 
 
@@ -220,4 +220,8 @@ def _mosaic_backward(options, residuals, cotangents):
     return _backward(options, residuals, cotangents)[:5]
 
 
-differentiable_mosaic_launch.defvjp(_mosaic_forward, _mosaic_backward)
+_differentiable_mosaic_launch.defvjp(_mosaic_forward, _mosaic_backward)
+
+# Jitted: called eagerly, a custom_vjp traces its function on every call; a jit once per shape.
+differentiable_launch = jax.jit(_differentiable_launch, static_argnums=0)
+differentiable_mosaic_launch = jax.jit(_differentiable_mosaic_launch, static_argnums=0)

@@ -95,6 +95,20 @@ def test_inside_jit_with_donated_outputs_reuses_their_buffers():
     _assert_matches_reference(k, v, host, config)
 
 
+def test_eager_calls_of_one_shape_trace_the_launch_once(monkeypatch):
+    from fusedkv_jax import backward
+
+    traced = []
+    launch = backward._launch
+    monkeypatch.setattr(backward, "_launch", lambda *args, **kwargs: traced.append(1) or launch(*args, **kwargs))
+    config = FusedKVConfig(3, 16, 8, "gptj")  # a shape no other test calls, so no trace is cached yet
+    for seed in (61, 62, 63):
+        host = _inputs(config, n_layers=2, total_ctx=5, seed=seed)
+        k, v = fused_kv_norm_rope(*(jax.device_put(a) for a in host), **_static(config))
+        _assert_matches_reference(k, v, host, config)
+    assert len(traced) == 1
+
+
 def test_vmap_over_kv_and_positions_matches_each_member():
     config = FusedKVConfig(2, 16, 16, "gptj")
     members = [_inputs(config, n_layers=2, total_ctx=4, seed=14 + i) for i in range(2)]
