@@ -933,7 +933,8 @@ def fused_kv_norm_rope_into_cache(
 def refusing_derivatives(function, names: tuple, got: str, expected: str):
     """``function(static, *arrays)`` behind a ``jax.custom_jvp`` whose derivative raises the
     project's ``TypeError``, naming the first of ``names`` that is differentiated, instead of
-    letting jax differentiate what it cannot and fail inside."""
+    letting jax differentiate what it cannot and fail inside; jitted, as
+    :mod:`fusedkv_jax.backward`'s launches are, so an eager call traces it once per shape."""
     wrapped = jax.custom_jvp(function, nondiff_argnums=(0,))
 
     def refuse(static, primals, tangents):
@@ -942,7 +943,7 @@ def refusing_derivatives(function, names: tuple, got: str, expected: str):
         raise TypeError(f"Invalid {name} for fused KV materialization: got {got}, expected {expected}.")
 
     wrapped.defjvp(refuse, symbolic_zeros=True)
-    return wrapped
+    return jax.jit(wrapped, static_argnums=0)
 
 
 # The cache call's launch, which jax.grad and jax.jvp refuse: they would differentiate its partitioning.

@@ -386,6 +386,21 @@ def test_cache_under_jit_with_donated_caches_updates_in_place():
     _assert_cache_matches_reference(k, v, host, slots, k_cache, v_cache, {}, config)
 
 
+def test_eager_cache_calls_of_one_shape_trace_the_launch_once(monkeypatch):
+    traced = []
+    launch = jax_kernel._launch
+    monkeypatch.setattr(jax_kernel, "_launch", lambda *args, **kwargs: traced.append(1) or launch(*args, **kwargs))
+    config = FusedKVConfig(3, 16, 8, "neox")  # a shape no other test calls, so no trace is cached yet
+    for seed in (64, 65, 66):
+        host, slots, k_cache, v_cache, _ = _cache_case(
+            config, n_layers=2, total_ctx=5, num_slots=7, slots=[6, 0, -1, 3, 2],
+            k_dtype=numpy_dtype("bfloat16"), v_dtype=numpy_dtype("bfloat16"), seed=seed)
+        k, v = fused_kv_norm_rope_into_cache(*(jax.device_put(a) for a in host), jax.device_put(slots),
+                                             jax.device_put(k_cache), jax.device_put(v_cache), **_static(config))
+        _assert_cache_matches_reference(k, v, host, slots, k_cache, v_cache, {}, config)
+    assert len(traced) == 1
+
+
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests below compile the kernel for real")
 def test_both_entry_points_lower_to_triton_for_a_gpu():
     # Pallas lowers to Triton IR in Python, so a machine without a GPU still catches a
