@@ -95,12 +95,17 @@ def test_inside_jit_with_donated_outputs_reuses_their_buffers():
     _assert_matches_reference(k, v, host, config)
 
 
+def _traced_launches(monkeypatch, module) -> list:
+    """A list that grows by one each time ``module``'s ``_launch`` is traced (called in Python)."""
+    traced, launch = [], module._launch
+    monkeypatch.setattr(module, "_launch", lambda *args, **kwargs: traced.append(1) or launch(*args, **kwargs))
+    return traced
+
+
 def test_eager_calls_of_one_shape_trace_the_launch_once(monkeypatch):
     from fusedkv_jax import backward
 
-    traced = []
-    launch = backward._launch
-    monkeypatch.setattr(backward, "_launch", lambda *args, **kwargs: traced.append(1) or launch(*args, **kwargs))
+    traced = _traced_launches(monkeypatch, backward)
     config = FusedKVConfig(3, 16, 8, "gptj")  # a shape no other test calls, so no trace is cached yet
     for seed in (61, 62, 63):
         host = _inputs(config, n_layers=2, total_ctx=5, seed=seed)
@@ -387,9 +392,7 @@ def test_cache_under_jit_with_donated_caches_updates_in_place():
 
 
 def test_eager_cache_calls_of_one_shape_trace_the_launch_once(monkeypatch):
-    traced = []
-    launch = jax_kernel._launch
-    monkeypatch.setattr(jax_kernel, "_launch", lambda *args, **kwargs: traced.append(1) or launch(*args, **kwargs))
+    traced = _traced_launches(monkeypatch, jax_kernel)
     config = FusedKVConfig(3, 16, 8, "neox")  # a shape no other test calls, so no trace is cached yet
     for seed in (64, 65, 66):
         host, slots, k_cache, v_cache, _ = _cache_case(
