@@ -96,9 +96,11 @@ def test_inside_jit_with_donated_outputs_reuses_their_buffers():
 
 
 def _traced_launches(monkeypatch, module) -> list:
-    """A list that grows by one each time ``module``'s ``_launch`` is traced (called in Python)."""
+    """A list that grows by one each time ``module``'s ``_launch`` is traced (called in Python),
+    from no trace kept: jax's caches are cleared first."""
     traced, launch = [], module._launch
     monkeypatch.setattr(module, "_launch", lambda *args, **kwargs: traced.append(1) or launch(*args, **kwargs))
+    jax.clear_caches()
     return traced
 
 
@@ -106,7 +108,7 @@ def test_eager_calls_of_one_shape_trace_the_launch_once(monkeypatch):
     from fusedkv_jax import backward
 
     traced = _traced_launches(monkeypatch, backward)
-    config = FusedKVConfig(3, 16, 8, "gptj")  # a shape no other test calls, so no trace is cached yet
+    config = FusedKVConfig(3, 16, 8, "gptj")
     for seed in (61, 62, 63):
         host = _inputs(config, n_layers=2, total_ctx=5, seed=seed)
         k, v = fused_kv_norm_rope(*(jax.device_put(a) for a in host), **_static(config))
@@ -393,7 +395,7 @@ def test_cache_under_jit_with_donated_caches_updates_in_place():
 
 def test_eager_cache_calls_of_one_shape_trace_the_launch_once(monkeypatch):
     traced = _traced_launches(monkeypatch, jax_kernel)
-    config = FusedKVConfig(3, 16, 8, "neox")  # a shape no other test calls, so no trace is cached yet
+    config = FusedKVConfig(3, 16, 8, "neox")
     for seed in (64, 65, 66):
         host, slots, k_cache, v_cache, _ = _cache_case(
             config, n_layers=2, total_ctx=5, num_slots=7, slots=[6, 0, -1, 3, 2],
