@@ -455,7 +455,8 @@ def check_output_buffers(kv, outputs) -> None:
 
 
 def _check_apart(name, out, other_name, other) -> None:
-    """Refuse ``out`` where it shares an element with ``other`` (their extents meet)."""
+    """Refuse ``out`` where it is ``other`` or shares an element with it; called where their
+    extents meet or they are one array (a jax array's extent is empty)."""
     if 0 in out.shape:  # no element: nothing to write, no memory to share
         return
     shared = out is other or _share_memory(out, other)
