@@ -124,7 +124,7 @@ def _fused_kv_norm_rope_backward_kernel(
     cos, sin, w_first, w_second, w_tail, eps = _load_rotation_and_norm(
         cos_sin_table, positions, in_context & rotatable, tokens, heads, cos_sin_stride_p, cos_sin_stride_d,
         k_norm_weight_ptr, layer, weight_stride_l, weight_stride_d, eps_ptr, eps_stride,
-        BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, PAIRED_DIM, GPTJ)
+        BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, PAIRED_DIM, GPTJ, False)
     v_multiplier = _layer_multiplier(v_multiplier_ptr, layer, v_multiplier_stride)
 
     grad_rows = grad_kv_ptr + tokens[:, None, None] * grad_stride_t + layer * grad_stride_l

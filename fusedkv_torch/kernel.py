@@ -151,18 +151,23 @@ def _load_rotation_and_norm(cos_sin_table, positions, rotated, tokens, heads, co
                             weight_ptr, layer, weight_stride_l, weight_stride_d, eps_ptr, eps_stride,
                             TOKENS: tl.constexpr, HEADS: tl.constexpr, PAIR_BLOCK: tl.constexpr,
                             TAIL_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
-                            PAIRED_DIM: tl.constexpr, GPTJ: tl.constexpr):
+                            PAIRED_DIM: tl.constexpr, GPTJ: tl.constexpr, WEIGHT_ROW: tl.constexpr):
     """``(cos, sin, w_first, w_second, w_tail, eps)``: the cos/sin rows of the tokens' positions
-    in ``cos_sin_table`` (zeros for a token not ``rotated``, whose row is never read) and the
-    layer's K-norm (:func:`_load_norm`), all at K's ``[tokens, heads, dims]`` shape, as
-    :func:`_load_norm` says why."""
+    in ``cos_sin_table`` (zeros for a token not ``rotated``, whose row is never read) at K's
+    ``[tokens, heads, dims]`` shape, and the layer's K-norm (:func:`_load_norm`) at that shape
+    too, or as one ``[1, 1, dims]`` row (``WEIGHT_ROW``, :func:`loads_one_weight_row`)."""
     every_head = heads * 0
     cos_sin_rows = (cos_sin_table + positions * cos_sin_stride_p)[:, None, None] + every_head
     cos, sin = _load_rotary_halves(cos_sin_rows, cos_sin_stride_d, rotated[:, None, None] & (every_head == 0),
                                    TOKENS, HEADS, PAIR_BLOCK, ROTARY_DIM, False)
-    w_first, w_second, w_tail, eps = _load_norm(weight_ptr, layer, weight_stride_l, weight_stride_d,
-                                                tokens[:, None, None] * 0 + every_head, eps_ptr, eps_stride,
-                                                TOKENS, HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, PAIRED_DIM, GPTJ)
+    if WEIGHT_ROW:
+        w_first, w_second, w_tail, eps = _load_norm(weight_ptr, layer, weight_stride_l, weight_stride_d,
+                                                    tl.zeros([1, 1, 1], tl.int64), eps_ptr, eps_stride,
+                                                    1, 1, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, PAIRED_DIM, GPTJ)
+    else:
+        w_first, w_second, w_tail, eps = _load_norm(weight_ptr, layer, weight_stride_l, weight_stride_d,
+                                                    tokens[:, None, None] * 0 + every_head, eps_ptr, eps_stride,
+                                                    TOKENS, HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, PAIRED_DIM, GPTJ)
     return cos, sin, w_first, w_second, w_tail, eps
 
 
@@ -173,9 +178,9 @@ def _load_norm(weight_ptr, layer, weight_stride_l, weight_stride_d, every_row, e
     """The layer's K-norm weight as :func:`_load_head_rows` pieces, and its eps; ones and
     zero for a draft without a K-norm (``weight_ptr`` None).
 
-    The weight rows come at K's [tokens, heads, dims] shape (``every_row`` is zeros of
-    it), each thread its own copy (L1 serves the repeats), so they arrive in K's register
-    layout: a [1, 1, dims] row would be shuffled through shared memory to meet it.
+    The weight rows come at ``every_row``'s shape (zeros): K's [tokens, heads, dims], each
+    thread its own copy (L1 serves the repeats), so they arrive in K's register layout; or
+    one [1, 1, dims] row, shuffled through shared memory to meet K (:func:`loads_one_weight_row`).
     """
     first, second, tail, eps = 1.0, 1.0, 1.0, 0.0
     if weight_ptr is not None:
@@ -294,7 +299,7 @@ def _fused_kv_norm_rope_kernel(
     N_LAYERS: tl.constexpr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
     GPTJ: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HEADS: tl.constexpr,
     PAIRED_DIM: tl.constexpr, PAIR_BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr, HEAD_BLOCK: tl.constexpr,
-    DEPENDENT_LAUNCH: tl.constexpr,
+    WEIGHT_ROW: tl.constexpr, DEPENDENT_LAUNCH: tl.constexpr,
 ):
     """One ``[BLOCK_T tokens, BLOCK_HEADS heads, head_dim]`` tile of one layer's K and V.
 
@@ -332,7 +337,7 @@ def _fused_kv_norm_rope_kernel(
     cos, sin, w_first, w_second, w_tail, eps = _load_rotation_and_norm(
         cos_sin_table, positions, in_context & rotatable, tokens, heads, cos_sin_stride_p, cos_sin_stride_d,
         k_norm_weight_ptr, layer, weight_stride_l, weight_stride_d, eps_ptr, eps_stride,
-        BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, PAIRED_DIM, GPTJ)
+        BLOCK_T, BLOCK_HEADS, PAIR_BLOCK, TAIL_BLOCK, HEAD_DIM, ROTARY_DIM, PAIRED_DIM, GPTJ, WEIGHT_ROW)
     # Each cache has its own scale: an fp8 K cache may sit beside a bf16 V cache.
     k_scale, k_inverse_scale = _layer_scale(k_scale_ptr, layer, k_scale_stride)
     v_scale, v_inverse_scale = _layer_scale(v_scale_ptr, layer, v_scale_stride)
@@ -451,7 +456,9 @@ def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, itemsize: int, b
     whole_rows = grid >= _MIN_PROGRAMS_PER_MULTIPROCESSOR_OF_WHOLE_ROWS * _multiprocessors()
     constexprs = (
         n_layers, config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style == "gptj",
-        block_tokens, block_heads, *piece_blocks(config, whole_rows), dependent_launch,
+        block_tokens, block_heads, *piece_blocks(config, whole_rows),
+        loads_one_weight_row(config, block_heads),
+        dependent_launch,
     )
     return grid, constexprs, num_warps or default_warps, dependent_launch
 
@@ -476,6 +483,18 @@ def piece_blocks(config: FusedKVConfig, whole_rows: bool = False) -> tuple[int, 
     tail = config.head_dim - paired
     return paired, next_power_of_2(paired // 2), next_power_of_2(tail) if tail else 0, \
         next_power_of_2(config.head_dim)
+
+
+def loads_one_weight_row(config: FusedKVConfig, block_heads: int) -> bool:
+    """Whether the forward loads the K-norm weight as one row broadcast over a tile of
+    ``block_heads`` heads (moved into K's register layout through shared memory) rather
+    than at K's shape: where head_dim is not a power of two, the rotary is partial and the
+    tile holds more than one head. Such rows leave lanes of their blocks masked, and a
+    masked load of the weight for every element of K then cost more than the row's move;
+    with one head a tile, or a full rotary, the move cost more, as it did wherever every
+    lane holds an element."""
+    not_a_power_of_two = config.head_dim & (config.head_dim - 1) != 0
+    return not_a_power_of_two and config.rotary_dim < config.head_dim and block_heads > 1
 
 
 def tuned_plan(config: FusedKVConfig, total_ctx: int, n_layers: int, itemsize: int, tile: tuple,

@@ -48,7 +48,7 @@ def _sizes(gptj: bool, tail: int, **more) -> dict:
                 BLOCK_HEADS=4, **pieces, **more)
 
 
-def compile_form(given: set, gptj: bool, tail: int, table: str = "*fp32") -> None:
+def compile_form(given: set, gptj: bool, tail: int, table: str = "*fp32", weight_row: bool = False) -> None:
     absent = {name for name in OPTIONAL if name not in given}
     if "k_norm_weight_ptr" not in given:
         absent.add("eps_ptr")
@@ -57,7 +57,8 @@ def compile_form(given: set, gptj: bool, tail: int, table: str = "*fp32") -> Non
     for scale, destination in (("k_scale_ptr", "k_dest_ptr"), ("v_scale_ptr", "v_dest_ptr")):
         if scale in given:  # a scale comes with an fp8 cache
             present[destination] = "*fp8e4nv"
-    _compile(kernel._fused_kv_norm_rope_kernel, present, absent, _sizes(gptj, tail, DEPENDENT_LAUNCH=True))
+    _compile(kernel._fused_kv_norm_rope_kernel, present, absent,
+             _sizes(gptj, tail, DEPENDENT_LAUNCH=True, WEIGHT_ROW=weight_row))
 
 
 BACKWARD_OPTIONAL = ("k_norm_weight_ptr", "v_multiplier_ptr", "layer_rope_table_ptr")
@@ -79,14 +80,17 @@ def compile_backward_form(given: set, gptj: bool, tail: int) -> None:
 
 def main() -> int:
     forms = [set(), set(OPTIONAL)] + [set(OPTIONAL) - {name} for name in OPTIONAL]
-    shapes = [(gptj, tail, "*fp32") for gptj, tail in itertools.product((False, True), (0, 64))]
-    # A gptj row of rotary 32 of 128 is loaded as pairs throughout (kernel.piece_blocks).
-    shapes += [(False, 0, "*bf16"), (True, 96, "*fp32")]
-    for given, (gptj, tail, table) in itertools.product(forms, shapes):
+    shapes = [(gptj, tail, "*fp32", False) for gptj, tail in itertools.product((False, True), (0, 64))]
+    # A gptj row of rotary 32 of 128 is loaded as pairs throughout (kernel.piece_blocks); the
+    # K-norm weight as one broadcast row (kernel.loads_one_weight_row), in both styles.
+    shapes += [(False, 0, "*bf16", False), (True, 96, "*fp32", False), (False, 64, "*fp32", True),
+               (True, 96, "*fp32", True)]
+    for given, (gptj, tail, table, weight_row) in itertools.product(forms, shapes):
         try:
-            compile_form(given, gptj, tail, table)
+            compile_form(given, gptj, tail, table, weight_row)
         except Exception as error:  # the compiler's own errors, printed for the test's message
-            print(f"given={sorted(given)} gptj={gptj} tail={tail} table={table}: {type(error).__name__}: {error}")
+            print(f"given={sorted(given)} gptj={gptj} tail={tail} table={table} weight_row={weight_row}: "
+                  f"{type(error).__name__}: {error}")
             return 1
     plain = [set(), {"k_norm_weight_ptr"}, {"v_multiplier_ptr"}, {"k_norm_weight_ptr", "v_multiplier_ptr"}]
     backward_forms = plain + [{"layer_rope_table_ptr"}, set(BACKWARD_OPTIONAL)]

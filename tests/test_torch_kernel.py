@@ -80,6 +80,34 @@ def test_only_a_gptj_row_whose_block_has_fewer_lanes_than_its_pieces_is_loaded_a
         assert kernel_module.piece_blocks(config)[0] == config.rotary_dim  # without whole rows: the rotary dims
 
 
+def test_the_norm_weight_is_one_broadcast_row_exactly_for_partial_rotaries_of_several_heads_and_odd_sizes():
+    for head_dim, odd in ((64, False), (128, False), (256, False), (80, True), (96, True), (97, True), (192, True)):
+        for rotary_dim, style, partial in ((head_dim & ~1, "neox", head_dim % 2), (16, "gptj", True)):
+            for block_heads in (1, 2):
+                config = FusedKVConfig(2, head_dim, rotary_dim, style)
+                one_row = bool(odd and partial and block_heads > 1)
+                assert kernel_module.loads_one_weight_row(config, block_heads) is one_row
+                tile = (None, block_heads, None)
+                _, constexprs, _, _ = kernel_module.tuned_plan(config, 4096, 2, 2, tile, False)
+                assert constexprs[-2] is one_row
+
+
+@pytest.mark.parametrize("config", [FusedKVConfig(2, 64, 32, "neox"), FusedKVConfig(2, 80, 40, "gptj"),
+                                    FusedKVConfig(2, 96, 24, "neox")], ids=["hd64", "hd80-gptj", "hd96-neox"])
+@pytest.mark.parametrize("one_row", [False, True], ids=["weight-at-k-shape", "weight-as-one-row"])
+def test_the_norm_weight_at_k_shape_and_as_one_row_give_the_reference(monkeypatch, config, one_row):
+    monkeypatch.setattr(kernel_module, "loads_one_weight_row", lambda config, block_heads: one_row)
+    kernel_module._plan.cache_clear()
+    try:
+        inputs = random_inputs(config, n_layers=3, total_ctx=7, max_position=64, seed=config.head_dim)
+        kv, *rest = on_device(inputs)
+        k, v = poisoned(config.output_shape(3, 7), kv.dtype), poisoned(config.output_shape(3, 7), kv.dtype)
+        launch(kv, *rest, k, v, config=config, block_tokens=4, block_heads=2, num_warps=2)
+        assert_matches_reference(inputs, config, k, v)
+    finally:
+        kernel_module._plan.cache_clear()  # no plan of the forced form outlives the test
+
+
 @pytest.mark.parametrize("head_dim", [96, 97])
 @pytest.mark.parametrize("block_tokens, whole_rows", [(1, True), (8, False)])
 def test_a_gptj_row_with_a_tail_is_right_loaded_as_pairs_throughout_and_in_pieces(head_dim, block_tokens,
