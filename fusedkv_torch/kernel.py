@@ -454,13 +454,13 @@ def _plan(config: FusedKVConfig, total_ctx: int, n_layers: int, itemsize: int, b
     # A gptj row is loaded as pairs throughout only where a multiprocessor has many programs:
     # with few, each one's load latency decides, and the one wide load did not shorten it.
     whole_rows = grid >= _MIN_PROGRAMS_PER_MULTIPROCESSOR_OF_WHOLE_ROWS * _multiprocessors()
+    num_warps = num_warps or default_warps
     constexprs = (
         n_layers, config.num_kv_heads, config.head_dim, config.rotary_dim, config.rope_style == "gptj",
         block_tokens, block_heads, *piece_blocks(config, whole_rows),
-        loads_one_weight_row(config, block_heads),
-        dependent_launch,
+        loads_one_weight_row(config, block_heads, num_warps), dependent_launch,
     )
-    return grid, constexprs, num_warps or default_warps, dependent_launch
+    return grid, constexprs, num_warps, dependent_launch
 
 
 def _paired_dims(config: FusedKVConfig, whole_rows: bool) -> int:
@@ -485,16 +485,19 @@ def piece_blocks(config: FusedKVConfig, whole_rows: bool = False) -> tuple[int, 
         next_power_of_2(config.head_dim)
 
 
-def loads_one_weight_row(config: FusedKVConfig, block_heads: int) -> bool:
+def loads_one_weight_row(config: FusedKVConfig, block_heads: int, num_warps: int) -> bool:
     """Whether the forward loads the K-norm weight as one row broadcast over a tile of
-    ``block_heads`` heads (moved into K's register layout through shared memory) rather
-    than at K's shape: where head_dim is not a power of two, the rotary is partial and the
-    tile holds more than one head. Such rows leave lanes of their blocks masked, and a
-    masked load of the weight for every element of K then cost more than the row's move;
-    with one head a tile, or a full rotary, the move cost more, as it did wherever every
-    lane holds an element."""
+    ``block_heads`` heads and ``num_warps`` warps (moved into K's register layout through
+    shared memory) rather than at K's shape: where head_dim is not a power of two, the
+    rotary is partial, the tile holds more than one head and is not a ``neox`` tile of one
+    warp. Such rows leave lanes of their blocks masked, and a masked load of the weight
+    for every element of K cost more than the row's move; with one head a tile, a full
+    rotary, or ``neox`` halves in one warp (short contexts), the move cost more, as it did
+    wherever every lane holds an element. Measured, not derived: BENCHMARKS.md."""
     not_a_power_of_two = config.head_dim & (config.head_dim - 1) != 0
-    return not_a_power_of_two and config.rotary_dim < config.head_dim and block_heads > 1
+    neox_in_one_warp = config.rope_style == "neox" and num_warps == 1
+    return (not_a_power_of_two and config.rotary_dim < config.head_dim and block_heads > 1
+            and not neox_in_one_warp)
 
 
 def tuned_plan(config: FusedKVConfig, total_ctx: int, n_layers: int, itemsize: int, tile: tuple,

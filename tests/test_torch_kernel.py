@@ -82,12 +82,14 @@ def test_only_a_gptj_row_whose_block_has_fewer_lanes_than_its_pieces_is_loaded_a
 
 def test_the_norm_weight_is_one_broadcast_row_exactly_for_partial_rotaries_of_several_heads_and_odd_sizes():
     for head_dim, odd in ((64, False), (128, False), (256, False), (80, True), (96, True), (97, True), (192, True)):
-        for rotary_dim, style, partial in ((head_dim & ~1, "neox", head_dim % 2), (16, "gptj", True)):
-            for block_heads in (1, 2):
+        for rotary_dim, style, partial in ((head_dim & ~1, "neox", head_dim % 2), (16, "gptj", True),
+                                           (16, "neox", True)):
+            for block_heads, num_warps in ((1, 2), (2, 1), (2, 2)):
                 config = FusedKVConfig(2, head_dim, rotary_dim, style)
-                one_row = bool(odd and partial and block_heads > 1)
-                assert kernel_module.loads_one_weight_row(config, block_heads) is one_row
-                tile = (None, block_heads, None)
+                neox_in_one_warp = style == "neox" and num_warps == 1
+                one_row = bool(odd and partial and block_heads > 1 and not neox_in_one_warp)
+                assert kernel_module.loads_one_weight_row(config, block_heads, num_warps) is one_row
+                tile = (None, block_heads, num_warps)
                 _, constexprs, _, _ = kernel_module.tuned_plan(config, 4096, 2, 2, tile, False)
                 assert constexprs[-2] is one_row
 
@@ -96,7 +98,7 @@ def test_the_norm_weight_is_one_broadcast_row_exactly_for_partial_rotaries_of_se
                                     FusedKVConfig(2, 96, 24, "neox")], ids=["hd64", "hd80-gptj", "hd96-neox"])
 @pytest.mark.parametrize("one_row", [False, True], ids=["weight-at-k-shape", "weight-as-one-row"])
 def test_the_norm_weight_at_k_shape_and_as_one_row_give_the_reference(monkeypatch, config, one_row):
-    monkeypatch.setattr(kernel_module, "loads_one_weight_row", lambda config, block_heads: one_row)
+    monkeypatch.setattr(kernel_module, "loads_one_weight_row", lambda config, block_heads, num_warps: one_row)
     kernel_module._plan.cache_clear()
     try:
         inputs = random_inputs(config, n_layers=3, total_ctx=7, max_position=64, seed=config.head_dim)
