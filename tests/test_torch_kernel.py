@@ -80,18 +80,27 @@ def test_only_a_gptj_row_whose_block_has_fewer_lanes_than_its_pieces_is_loaded_a
         assert kernel_module.piece_blocks(config)[0] == config.rotary_dim  # without whole rows: the rotary dims
 
 
-def test_the_norm_weight_is_one_broadcast_row_exactly_for_partial_rotaries_of_several_heads_and_odd_sizes():
-    for head_dim, odd in ((64, False), (128, False), (256, False), (80, True), (96, True), (97, True), (192, True)):
-        for rotary_dim, style, partial in ((head_dim & ~1, "neox", head_dim % 2), (16, "gptj", True),
-                                           (16, "neox", True)):
-            for block_heads, num_warps in ((1, 2), (2, 1), (2, 2)):
-                config = FusedKVConfig(2, head_dim, rotary_dim, style)
-                neox_in_one_warp = style == "neox" and num_warps == 1
-                one_row = bool(odd and partial and block_heads > 1 and not neox_in_one_warp)
-                assert kernel_module.loads_one_weight_row(config, block_heads, num_warps) is one_row
-                tile = (None, block_heads, num_warps)
-                _, constexprs, _, _ = kernel_module.tuned_plan(config, 4096, 2, 2, tile, False)
-                assert constexprs[-2] is one_row
+@pytest.mark.parametrize("head_dim, rotary_dim, style, block_heads, num_warps, one_row", [
+    (80, 40, "gptj", 2, 1, True),  # g07 at 64 tokens
+    (80, 40, "neox", 2, 1, False),  # g26 at 64 tokens: neox halves in one warp
+    (80, 40, "neox", 8, 2, True),  # g26 at 1024 tokens
+    (192, 48, "neox", 8, 8, True),  # g33 at 256 tokens
+    (96, 24, "gptj", 8, 2, True),  # g21 at 4096 tokens
+    (97, 96, "neox", 2, 2, True),  # an odd head_dim with a partial rotary
+    (80, 80, "gptj", 1, 2, False),  # g04: one head a tile, a full rotary
+    (80, 80, "gptj", 2, 2, False),  # a full rotary
+    (192, 48, "gptj", 1, 4, False),  # g30: one head a tile
+    (192, 192, "neox", 8, 4, False),  # g31: a full rotary
+    (128, 32, "gptj", 8, 2, False),  # every lane holds an element
+    (64, 32, "neox", 2, 2, False),
+    (256, 64, "neox", 8, 4, False),
+])
+def test_the_norm_weight_is_one_broadcast_row_only_for_partial_rotaries_of_masked_lanes_and_several_heads(
+        head_dim, rotary_dim, style, block_heads, num_warps, one_row):
+    config = FusedKVConfig(8, head_dim, rotary_dim, style)
+    assert kernel_module.loads_one_weight_row(config, block_heads, num_warps) is one_row
+    _, constexprs, _, _ = kernel_module.tuned_plan(config, 4096, 2, 2, (None, block_heads, num_warps), False)
+    assert constexprs[-2] is one_row  # what the launch is compiled with
 
 
 @pytest.mark.parametrize("config", [FusedKVConfig(2, 64, 32, "neox"), FusedKVConfig(2, 80, 40, "gptj"),
