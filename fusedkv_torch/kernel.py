@@ -536,13 +536,13 @@ def _strides(tensor, ndim: int) -> tuple:
     return (1,) * ndim if tensor is None else tensor.stride()
 
 
-def _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, cache_loc, k_scale,
-            v_scale, v_multiplier, layer_rope_table=None, compiled=None) -> None:
-    grid, constexprs, num_warps, dependent_launch = plan
+def launch_arguments(kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, cache_loc, k_scale,
+                     v_scale, v_multiplier, layer_rope_table) -> tuple[tuple, tuple, tuple]:
+    """The kernel's runtime arguments, ``(tensors, plain_ints, ints)`` in its parameter order
+    (:class:`DirectLauncher`'s): what a launch reads of its tensors beyond the plan."""
     # One table is table 0 of one: its table stride is never used, and 1 is specialized away (_strides).
     table_strides = cos_sin_cache.stride() if layer_rope_table is not None else (1, *cos_sin_cache.stride())
-    _launcher(
-        grid,
+    return (
         (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_dest, v_dest, k_scale, v_scale, v_multiplier,
          layer_rope_table),
         (kv.shape[0], cos_sin_cache.shape[-2], k_dest.shape[1],
@@ -550,8 +550,18 @@ def _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_de
         (*kv.stride(), *_strides(k_norm_weight, 2), *_strides(eps, 1), *table_strides, *positions.stride(),
          *_strides(cache_loc, 1), *_strides(k_scale, 1), *_strides(v_scale, 1), *_strides(v_multiplier, 1),
          *_strides(layer_rope_table, 1), *k_dest.stride(), *v_dest.stride()),
-        constexprs, num_warps=num_warps, launch_pdl=dependent_launch, compiled=compiled,
     )
+
+
+def _launch(plan, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, cache_loc, k_scale,
+            v_scale, v_multiplier, layer_rope_table=None, compiled=None):
+    """Launch ``plan``; the compiled kernel's :class:`~fusedkv_torch.launcher.Launch` where it
+    was launched directly, else None (:meth:`DirectLauncher.__call__`)."""
+    grid, constexprs, num_warps, dependent_launch = plan
+    tensors, plain_ints, ints = launch_arguments(kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest,
+                                                 cache_loc, k_scale, v_scale, v_multiplier, layer_rope_table)
+    return _launcher(grid, tensors, plain_ints, ints, constexprs, num_warps=num_warps, launch_pdl=dependent_launch,
+                     compiled=compiled)
 
 
 def launch(

@@ -87,8 +87,10 @@ class DirectLauncher:
 
     def __call__(self, grid: int, tensors: Sequence[Optional[torch.Tensor]], plain_ints: Sequence[int],
                  ints: tuple, constexprs: tuple, *, num_warps: int, launch_pdl: bool = False,
-                 compiled: Optional[dict] = None) -> None:
-        """Launch ``grid`` programs.
+                 compiled: Optional[dict] = None) -> Optional["Launch"]:
+        """Launch ``grid`` programs; the compiled kernel's :class:`Launch` (or its stand-in)
+        where it was launched directly, which :meth:`relaunch` may launch again on
+        arguments of the same key, else None.
 
         ``launch_pdl``: launch with programmatic dependent launch (Triton's option of that
         name), for a kernel that waits for its prerequisite grid itself.
@@ -112,11 +114,23 @@ class DirectLauncher:
             launch = compiled.get(key)
             if launch is not None:
                 launch(grid, self._current_stream(device), *addresses, *plain_ints, *ints, *constexprs)
-                return
+                return launch
             self._compile_and_launch(compiled, key, grid, tensors, addresses, plain_ints, ints, constexprs,
                                      dict(num_warps=num_warps, launch_pdl=launch_pdl))
-            return
+            return compiled.get(key)
         self.kernel[(grid,)](*tensors, *plain_ints, *ints, *constexprs, num_warps=num_warps, launch_pdl=launch_pdl)
+        return None
+
+    def relaunch(self, launch, grid: int, device: int, addresses: Sequence[Optional[int]], arguments: tuple) -> bool:
+        """``launch``, returned by a call of this launcher on ``device`` (the current device),
+        again on ``addresses`` (the tensors', None for a None tensor) of the same key and the
+        rest of that call's ``arguments`` (its integers and constexprs), on the current
+        stream; False, launching nothing, where a hook or debug mode now wants every launch
+        through ``kernel[grid]``."""
+        if self._observed():
+            return False
+        launch(grid, self._current_stream(device), *addresses, *arguments)
+        return True
 
     def _observed(self) -> bool:
         """Whether Triton's debug mode is on or a hook watches launches (a profiler):

@@ -14,7 +14,7 @@ import torch
 from torch._C import _functorch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from fusedkv_torch import backward  # registers fusedkv::fused_kv_norm_rope and its autograd formula
+from fusedkv_torch import backward, repeated  # backward registers fusedkv::fused_kv_norm_rope and its autograd formula
 from fusedkv_torch.kernel import _launch, _launcher, launch, supports_dependent_launch, tuned_plan
 from interop.core.spec import (
     AcceptedCall,
@@ -33,6 +33,8 @@ from interop.core.spec import (
 # signature cannot tell is checked on every call: that the outputs overlap neither each
 # other nor kv (addresses). Rejected calls are never remembered, so a bad call raises
 # every time.
+# An eager call that repeats a layout (every tensor's shape, strides, dtype and device)
+# launched directly before skips even the signature (fusedkv_torch.repeated).
 # Traced calls (torch.compile) validate every time and go through the registered op, so
 # the graph records the mutation, and the op checks the outputs' memory when it runs;
 # eager calls skip the op, whose dispatcher costs more host time than the launch. A traced
@@ -442,10 +444,22 @@ def fused_kv_norm_rope(
       carry a ``grad_fn`` (the Triton backward kernel, :mod:`fusedkv_torch.backward`), and
       ``k_out``/``v_out`` are refused; ``eps``, ``cos_sin_cache`` and ``positions`` get no gradient.
     """
+    tile = _tile(block_tokens, block_heads, num_warps)
+    key = tensors = None
+    if tile is _NO_TILE and not check_positions:
+        tensors = (kv, k_norm_weight, eps, cos_sin_cache, positions, None, k_out, v_out, None, None, v_multiplier,
+                   layer_rope_table)
+        key = repeated.layout_key("call", (num_kv_heads, head_dim, rotary_dim, rope_style), tensors)
+        outputs = repeated.launch_again(key, tensors)
+        if outputs is not None:
+            return outputs
     prepared = prepare_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, num_kv_heads, head_dim, rotary_dim, rope_style,
-        k_out, v_out, _tile(block_tokens, block_heads, num_warps), v_multiplier, layer_rope_table,
+        k_out, v_out, tile, v_multiplier, layer_rope_table,
     )
+    outputs = repeated.launch_first(key, prepared, tensors) if key is not None else None
+    if outputs is not None:
+        return outputs
     return _run(prepared, kv, k_norm_weight, eps, cos_sin_cache, positions, k_out, v_out, check_positions,
                 v_multiplier, layer_rope_table)
 
@@ -539,9 +553,21 @@ def fused_kv_norm_rope_into_cache(
     Returns:
       ``(k_cache, v_cache)``.
     """
-    return prepare_cache_call(
+    tile = _tile(block_tokens, block_heads, num_warps)
+    key = tensors = None
+    if tile is _NO_TILE:
+        tensors = (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale, v_scale,
+                   v_multiplier, layer_rope_table)
+        key = repeated.layout_key("cache", (num_kv_heads, head_dim, rotary_dim, rope_style), tensors)
+        caches = repeated.launch_again(key, tensors)
+        if caches is not None:
+            return caches
+    prepared = prepare_cache_call(
         kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, num_kv_heads, head_dim,
-        rotary_dim, rope_style, k_scale, v_scale, _tile(block_tokens, block_heads, num_warps), v_multiplier,
-        layer_rope_table,
-    ).launch_into_cache(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache, k_scale,
-                        v_scale, v_multiplier, layer_rope_table)
+        rotary_dim, rope_style, k_scale, v_scale, tile, v_multiplier, layer_rope_table,
+    )
+    caches = repeated.launch_first(key, prepared, tensors) if key is not None else None
+    if caches is not None:
+        return caches
+    return prepared.launch_into_cache(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+                                      k_scale, v_scale, v_multiplier, layer_rope_table)
