@@ -4,16 +4,18 @@ A serving or training loop calls the op with the same shapes, strides, dtypes an
 on every step, and at most new addresses. Validation (``interop.core.spec``), the launch
 plan and the kernel's integer arguments depend on nothing else, so the first call of a
 layout that launches directly keeps them, with the compiled kernel it launched; later calls
-of that layout read each tensor's layout and address, check by the outputs' spans that
-they overlap neither ``kv`` nor each other (the full check, remembered, where the spans
-meet), and hand the addresses to the compiled kernel. The layout's key is finer than the
-validation memo's signature (it adds strides), so a call it lets through is one
-validation accepted.
+of that layout are recognized by torch's own tensor guards (the C++ check of type,
+dispatch keys, dtype, device, requires_grad, sizes and strides that ``torch.compile``
+guards its graphs with), check by the outputs' spans that they overlap neither ``kv`` nor
+each other (the full check, remembered, where the spans meet), and hand the addresses to
+the compiled kernel. A layout is finer than the validation memo's signature (it adds
+strides), so a call it lets through is one validation accepted.
 
 Everything else takes the full path every time: a tile override, ``check_positions``,
 autograd, ``torch.compile``, ``torch.func``, a small array on another device than ``kv``,
 tensors without memory, a float or bool where an int is expected, an alignment or device
-not launched before, and launches a hook or Triton's debug mode watches.
+not launched before, launches a hook or Triton's debug mode watches, and every call where
+torch has no tensor guards.
 """
 
 from __future__ import annotations
@@ -23,27 +25,36 @@ from typing import Optional
 import torch
 from torch._C import _functorch
 
+try:
+    from torch._C._dynamo.guards import TensorGuards
+except ImportError:  # a torch without them: every call takes the full path
+    TensorGuards = None
+
 from fusedkv_torch.kernel import _launch, _launcher, launch_arguments
 from interop.core.spec import check_output_buffers
 
-_MAX_LAYOUTS = 1024
+_MAX_KEYS = 1024
+_MAX_LAYOUTS_A_KEY = 8
 
 # A call's tensors in the kernel's order (launch_arguments): kv, k_norm_weight, eps,
 # cos_sin_cache, positions, cache_loc, k_dest, v_dest, k_scale, v_scale, v_multiplier,
 # layer_rope_table.
 _K_DEST, _V_DEST = 6, 7
+_GRAD_MODE = 6  # the key's grad mode (layout_key)
 _OUTPUT_NAMES = {"call": ("k_out", "v_out"), "cache": ("k_cache", "v_cache")}
 
 
 class _Layout:
-    """What a layout's first direct launch worked out: the grid, the kernel's integer and
-    constexpr arguments, the byte spans of ``kv`` and the destinations from their first
-    element, the shape of outputs to allocate (None where they are given), and the
-    compiled kernels launched so far by ``(device, address bits)``."""
+    """What a layout's first direct launch worked out: the guard its given tensors pass,
+    the grid, the kernel's integer and constexpr arguments, the byte spans of ``kv`` and
+    the destinations from their first element, the shape of outputs to allocate (None
+    where they are given), and the compiled kernels launched so far by
+    ``(device, address bits)``."""
 
-    __slots__ = ("grid", "arguments", "spans", "output_shape", "launches")
+    __slots__ = ("guard", "grid", "arguments", "spans", "output_shape", "launches")
 
-    def __init__(self, grid, arguments, spans, output_shape):
+    def __init__(self, guard, grid, arguments, spans, output_shape):
+        self.guard = guard
         self.grid = grid
         self.arguments = arguments
         self.spans = spans
@@ -51,41 +62,34 @@ class _Layout:
         self.launches: dict[tuple, object] = {}
 
 
-_LAYOUTS: dict[tuple, _Layout] = {}
+_LAYOUTS: dict[tuple, list[_Layout]] = {}
 
 
 def layout_key(kind: str, static: tuple, tensors: tuple) -> Optional[tuple]:
     """The key of a call of ``kind`` (``'call'`` or ``'cache'``) with ``static``
     ``(num_kv_heads, head_dim, rotary_dim, rope_style)`` and ``tensors`` in the kernel's
-    order: every tensor's type, shape, strides, dtype and device index; None for a call
-    that takes the full path whatever its layout (``torch.compile``, a ``torch.func``
-    transform, autograd, sizes not of type int, arrays that are not torch tensors)."""
+    order: ``kind``, ``static``, the length of ``kv``, grad mode and which tensors are None
+    (the layouts under a key tell the rest apart by their guards, which include each
+    tensor's ``requires_grad``); None for a call that takes the full path whatever its
+    layout (``torch.compile``, a ``torch.func`` transform, sizes not of type int, a ``kv``
+    without a length)."""
     num_kv_heads, head_dim, rotary_dim, rope_style = static
-    if (type(num_kv_heads) is not int or type(head_dim) is not int or type(rotary_dim) is not int
-            or type(rope_style) is not str or torch.compiler.is_compiling()
+    if (TensorGuards is None or type(num_kv_heads) is not int or type(head_dim) is not int
+            or type(rotary_dim) is not int or type(rope_style) is not str or torch.compiler.is_compiling()
             or _functorch.maybe_current_level() is not None):
         return None
-    if torch.is_grad_enabled():
-        kv, k_norm_weight, v_multiplier = tensors[0], tensors[1], tensors[10]
-        for tensor in (kv, k_norm_weight, v_multiplier):
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                return None
     try:
-        return (kind, *static, *[None if tensor is None else
-                                 (type(tensor), tensor.shape, tensor.stride(), tensor.dtype, tensor.get_device())
-                                 for tensor in tensors])
-    except Exception:  # not a torch tensor: validation names it
+        length = tensors[0].shape[0]
+    except (AttributeError, IndexError, TypeError):  # not an array with a length: validation names it
         return None
+    return (kind, *static, length, torch.is_grad_enabled(), *[tensor is None for tensor in tensors])
 
 
 def launch_again(key: Optional[tuple], tensors: tuple) -> Optional[tuple]:
     """The call's ``(k_dest, v_dest)`` after launching it as its layout's first call did;
     None, having written nothing, where the layout, its alignment or its device was not
     launched directly before (the full path then runs, and :func:`launch_first` keeps it)."""
-    try:
-        layout = _LAYOUTS.get(key) if key is not None else None
-    except TypeError:  # an unhashable attribute of an object validation refuses
-        return None
+    layout = _matching(key, tensors)
     if layout is None:
         return None
     if layout.output_shape is not None:  # outputs to allocate: they overlap nothing
@@ -105,35 +109,52 @@ def launch_again(key: Optional[tuple], tensors: tuple) -> Optional[tuple]:
     return tensors[_K_DEST], tensors[_V_DEST]
 
 
+def _matching(key: Optional[tuple], tensors: tuple) -> Optional[_Layout]:
+    """The layout kept under ``key`` whose guard the given tensors pass, or None."""
+    layouts = _LAYOUTS.get(key) if key is not None else None
+    if layouts is not None:
+        given = [tensor for tensor in tensors if tensor is not None]
+        for layout in layouts:
+            if layout.guard.check(*given):
+                return layout
+    return None
+
+
 def _spans_meet(spans: tuple, kv: int, k_dest: int, v_dest: int) -> bool:
     kv_span, k_span, v_span = spans
     return ((kv < k_dest + k_span and k_dest < kv + kv_span) or (kv < v_dest + v_span and v_dest < kv + kv_span)
             or (k_dest < v_dest + v_span and v_dest < k_dest + k_span))
 
 
-def launch_first(key: Optional[tuple], prepared, tensors: tuple) -> Optional[tuple]:
+def launch_first(key: tuple, prepared, tensors: tuple) -> Optional[tuple]:
     """Launch a call that :func:`launch_again` did not, on what the full path prepared for
     it (``prepared``, a :class:`fusedkv_torch.ops.PreparedCall`), allocating the outputs
     not given, and keep its layout where it launched directly: ``(k_dest, v_dest)``. None,
-    having done nothing, for a call :meth:`PreparedCall.launch` must launch (one without a
-    plan or with a tile override, arrays to move to ``kv``'s device, nothing to write)."""
+    having done nothing, for a call :meth:`PreparedCall.launch` must launch (one autograd
+    records, one without a plan or with a tile override, arrays to move to ``kv``'s device,
+    nothing to write)."""
     kv = tensors[0]
     call = prepared.call
-    if (key is None or prepared.plan is None or prepared.compiled is None or call.total_ctx == 0
+    if key[_GRAD_MODE]:
+        for tensor in (kv, tensors[1], tensors[10]):  # kv, k_norm_weight, v_multiplier: autograd records it
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                return None
+    if (prepared.plan is None or prepared.compiled is None or call.total_ctx == 0
             or call.n_layers == 0 or any(tensor is not None and tensor.device != kv.device for tensor in tensors)):
         return None
     if key[0] == "cache" and tensors[_K_DEST].shape[1] == 0:  # no slot to write
         return None
-    given = tensors[_K_DEST] is not None, tensors[_V_DEST] is not None
-    if given[0] != given[1]:
+    given = tensors
+    outputs_given = tensors[_K_DEST] is not None, tensors[_V_DEST] is not None
+    if outputs_given[0] != outputs_given[1]:
         return None  # one output given: rare, left to the full path
-    if not given[0]:
+    if not outputs_given[0]:
         tensors = (*tensors[:_K_DEST], kv.new_empty(call.output_shape), kv.new_empty(call.output_shape),
                    *tensors[_V_DEST + 1:])
     arguments = _in_launch_order(tensors)
     launch = _launch(prepared.plan, *arguments, compiled=prepared.compiled)
     if launch is not None:
-        _keep(key, prepared, tensors, arguments, launch, None if given[0] else call.output_shape)
+        _keep(key, prepared, given, tensors, arguments, launch, None if outputs_given[0] else call.output_shape)
     return tensors[_K_DEST], tensors[_V_DEST]
 
 
@@ -142,15 +163,26 @@ def _in_launch_order(tensors: tuple) -> tuple:
     return (*tensors[:5], tensors[_K_DEST], tensors[_V_DEST], tensors[5], *tensors[_V_DEST + 1:])
 
 
-def _keep(key: tuple, prepared, tensors: tuple, arguments: tuple, launch, output_shape) -> None:
-    layout = _LAYOUTS.get(key)
+def _keep(key: tuple, prepared, given: tuple, tensors: tuple, arguments: tuple, launch, output_shape) -> None:
+    """Keep ``launch`` under the layout of ``given`` (the caller's tensors, the kernel's
+    order), making the layout where none is kept: ``tensors`` are those launched."""
+    layout = _matching(key, given)
     if layout is None:
+        present = [tensor for tensor in given if tensor is not None]
+        try:
+            guard = TensorGuards(*present, dynamic_dims_sizes=[list(tensor.shape) for tensor in present],
+                                 dynamic_dims_strides=[list(tensor.stride()) for tensor in present])
+        except Exception:  # tensors torch's guards do not take: the full path every time
+            return
         grid, constexprs, _, _ = prepared.plan
         _, plain_ints, ints = launch_arguments(*arguments)
         spans = tuple(_span(tensors[index]) for index in (0, _K_DEST, _V_DEST))
-        if len(_LAYOUTS) >= _MAX_LAYOUTS:
+        layout = _Layout(guard, grid, (*plain_ints, *ints, *constexprs), spans, output_shape)
+        if len(_LAYOUTS) >= _MAX_KEYS:
             _LAYOUTS.clear()
-        layout = _LAYOUTS[key] = _Layout(grid, (*plain_ints, *ints, *constexprs), spans, output_shape)
+        layouts = _LAYOUTS.setdefault(key, [])
+        layouts.insert(0, layout)
+        del layouts[_MAX_LAYOUTS_A_KEY:]
     addresses = [tensor.data_ptr() for tensor in tensors if tensor is not None]
     layout.launches[(torch.cuda.current_device(), *[address & 15 for address in addresses])] = launch
 

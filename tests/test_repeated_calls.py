@@ -7,7 +7,9 @@ addresses it is handed, so a relaunch computes what the kernel would. On a GPU t
 calls run for real (``test_repeated_layouts_on_the_gpu_*``).
 """
 
+import gc
 import re
+import weakref
 
 import numpy as np
 import pytest
@@ -94,6 +96,7 @@ def direct(monkeypatch):
         return accept_and_count
 
     monkeypatch.setattr(launcher, "direct", True)
+    monkeypatch.setattr(launcher, "_by_signature", {})  # no stand-in of another test's record
     monkeypatch.setattr(launcher, "_current_stream", lambda device: 0)
     monkeypatch.setattr(launcher, "_compile_and_launch", compile_and_launch)
     monkeypatch.setattr(launcher, "relaunch", recorded_relaunch)
@@ -137,6 +140,18 @@ def test_a_repeated_layout_is_launched_again_on_new_addresses_without_validation
     assert len(direct.compiles) == 1 and direct.validations == ["accept_call"]
     assert len(direct.relaunches) == 2 and direct.relaunches == direct.launches
     assert direct.relaunches[-1][1][0] == arrays[0].data_ptr()  # the last call's own kv
+
+
+def test_a_kept_layout_holds_none_of_its_calls_tensors(direct):
+    _, arrays = call_inputs(3)
+    k_out, v_out = direct.known(poisoned(SHAPE), poisoned(SHAPE))
+    fused_kv_norm_rope(*direct.known(*arrays), **STATIC, k_out=k_out, v_out=v_out)
+    assert len(repeated._LAYOUTS) == 1
+    watched = [weakref.ref(tensor) for tensor in (*arrays, k_out, v_out)]
+    direct.tensors_at.clear()
+    del arrays, k_out, v_out
+    gc.collect()
+    assert [ref() for ref in watched] == [None] * len(watched)
 
 
 def test_fresh_outputs_are_allocated_on_every_repeated_call(direct):
@@ -184,6 +199,27 @@ def test_a_call_that_changes_what_validation_reads_takes_the_full_path(direct, c
         assert_matches_reference(inputs, *fused_kv_norm_rope(*arrays, **static, **options))
     assert direct.validations == ["accept_call", "accept_call"]
     assert direct.relaunches == []
+
+
+def test_a_weight_resized_in_place_after_its_layout_was_kept_is_refused_by_validation(direct):
+    _, arrays = call_inputs(6)
+    fused_kv_norm_rope(*direct.known(*arrays), **STATIC)
+    arrays[1].resize_(N_LAYERS, 32)  # the same tensor object, now too short a row for head_dim 64
+    message = ("Invalid stacked k_norm_weight shape for fused KV materialization: got (2, 32), expected (2, 64).")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        fused_kv_norm_rope(*arrays, **STATIC)
+    assert direct.relaunches == []
+
+
+def test_layouts_of_one_length_that_differ_in_strides_are_each_launched_again(direct):
+    kv_addresses = []
+    for seed in (40, 41, 42, 43):
+        inputs, arrays = call_inputs(seed)
+        arrays = transposed_kv(arrays) if seed % 2 else arrays
+        assert_matches_reference(inputs, *fused_kv_norm_rope(*direct.known(*arrays), **STATIC))
+        kv_addresses.append(arrays[0].data_ptr())
+    assert direct.validations == ["accept_call", "accept_call"]
+    assert [addresses[0] for _, addresses in direct.relaunches] == kv_addresses[2:]
 
 
 OVERLAP = "got a buffer overlapping {}, expected outputs that overlap neither each other nor kv."
@@ -243,6 +279,19 @@ def test_a_layout_kept_without_grad_gives_a_differentiable_call_when_kv_requires
     assert direct.relaunches == []
 
 
+def test_a_layout_kept_under_no_grad_with_a_parameter_weight_is_differentiable_in_grad_mode(direct):
+    for seed in (44, 45):  # serving: weights that require grad, calls under no_grad
+        inputs, arrays = call_inputs(seed)
+        arrays[1].requires_grad_()
+        with torch.no_grad():
+            assert_matches_reference(inputs, *fused_kv_norm_rope(*direct.known(*arrays), **STATIC))
+    assert len(direct.relaunches) == 1
+    k, v = fused_kv_norm_rope(*direct.known(*arrays), **STATIC)
+    assert k.grad_fn is not None
+    assert_matches_reference(inputs, k.detach(), v.detach())
+    assert len(direct.relaunches) == 1
+
+
 def cache_call(seed, direct, slots):
     inputs, arrays = call_inputs(seed)
     poison = np.full((N_LAYERS, 5, 2, 64), np.nan, np.float32).astype(inputs.kv.dtype)
@@ -293,7 +342,8 @@ def test_repeated_layouts_on_the_gpu_match_the_reference_at_every_alignment():
             k, v = fused_kv_norm_rope(kv, *arrays[1:], **STATIC, k_out=k_out, v_out=poisoned(SHAPE))
             assert_matches_reference(inputs, k, v)
             assert_matches_reference(inputs, *fused_kv_norm_rope(kv, *arrays[1:], **STATIC))
-    layouts = [layout for key, layout in repeated._LAYOUTS.items() if key[:5] == ("call", *STATIC.values())]
+    layouts = [layout for key, kept in repeated._LAYOUTS.items() if key[:5] == ("call", *STATIC.values())
+               for layout in kept]
     assert sum(len(layout.launches) for layout in layouts) >= 6
 
 

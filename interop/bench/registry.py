@@ -26,8 +26,8 @@ Kinds:
 * ``host``: an eager call, timed on the host (host dispatch, not device time), and
   ``triton-launch``, Triton's own launch of the compiled kernel the ``triton-host`` call
   runs, with its arguments ready: the floor under every eager call of it; and
-  ``triton-launch-reads``, that launch after reading what an eager call must read of each
-  tensor it is given.
+  ``triton-launch-reads``, that launch after reading in Python the shape, dtype, device,
+  address and strides of each tensor it is given.
 
 The tiles and forms of ``--sweep`` and ``--forms`` are rows of kind ``sweep``
 (:mod:`interop.bench.sweep`). A ``prepare`` function takes a
@@ -125,9 +125,9 @@ def captured_launches(call: Callable[[], object], kernel_class=None, launch_clas
 def _triton_launch(workload: Workload, read_arguments: bool = False) -> Calls:
     """Triton's own launch of the kernel that ``triton-host``'s call launches, with that
     call's arguments: what is left of an eager call once everything else is taken away.
-    ``read_arguments``: before each launch, read what an eager call cannot skip reading of
-    each tensor it is given (shape, dtype and device, to know the call is one validated
-    before; address and strides, to launch it), and nothing more."""
+    ``read_arguments``: before each launch, read in Python each given tensor's shape,
+    dtype, device, address and strides (what a check of the call written in Python must
+    read), and nothing more."""
     eager = triton_calls(workload)
     for _ in range(3):  # the first call compiles; later ones launch the compiled kernel directly
         k, v = eager.call(0)
