@@ -627,9 +627,70 @@ def test_the_floor_takes_the_kernels_tile_of_the_same_rope_style(config, monkeyp
     assert options["compiler_params"].num_warps == num_warps
 
 
+ODD = BenchShape("odd", FusedKVConfig(num_kv_heads=3, head_dim=80, rotary_dim=40, rope_style="gptj"), 3,
+                 "3 layers, 3 heads of 80", hidden=64)
+
+
+@pytest.mark.parametrize("shape", [TINY, ODD], ids=lambda shape: shape.name)
+def test_the_triton_floor_rows_copy_k_and_v_bit_for_bit(shape):
+    pytest.importorskip("torch")
+    from interop.bench.workload import Workload
+
+    workload = Workload(shape, 5, "bfloat16", framework="torch", torch_device="cuda" if ON_GPU else "cpu",
+                        set_count=2)
+    for name in ("triton-floor", "triton-floor-cos-sin"):
+        assert BY_NAME[name].kind == "floor" and not BY_NAME[name].does_op
+        calls = BY_NAME[name].prepare(workload)
+        assert calls.check() == "ok"
+        k, v = calls.call(1)
+        assert not (k.isnan().any() or v.isnan().any())  # the other set's outputs, written too
+
+
+@pytest.mark.parametrize("config", [FusedKVConfig(16, 192, 48, "neox"), FusedKVConfig(32, 256, 64, "neox")], ids=str)
+@pytest.mark.parametrize("total_ctx", [1, 96, 4096])
+def test_the_triton_floor_launches_on_the_kernels_plan(config, total_ctx, monkeypatch):
+    torch = pytest.importorskip("torch")
+    from fusedkv_torch import kernel as triton_kernel
+    from interop.bench import triton_floors
+
+    monkeypatch.setattr(triton_kernel, "_multiprocessors", lambda: 132)  # the tiles of an H200
+    triton_kernel._plan.cache_clear()
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **options: launched.append((grid, options))
+
+    monkeypatch.setattr(triton_floors, "_copy_kernel", Recorder())
+    kv = torch.empty((total_ctx, 5, 2 * config.num_kv_heads * config.head_dim), dtype=torch.bfloat16)
+    dest = torch.empty((5, total_ctx, config.num_kv_heads, config.head_dim), dtype=torch.bfloat16)
+    triton_floors.copy(kv, torch.empty((64, config.rotary_dim)), torch.zeros(total_ctx, dtype=torch.int32), dest,
+                       dest, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, rotary_dim=config.rotary_dim,
+                       rope_style=config.rope_style, cos_sin=True)
+    block_tokens, block_heads, num_warps = triton_kernel.default_tile(
+        total_ctx, config.num_kv_heads, config.head_dim, n_layers=5, itemsize=2, interpret=triton_kernel._launcher.interpreted)
+    triton_kernel._plan.cache_clear()
+    [(grid, options)] = launched
+    assert grid == (-(-total_ctx // block_tokens) * 5 * (config.num_kv_heads // block_heads),)
+    assert (options["BLOCK_T"], options["BLOCK_HEADS"], options["num_warps"]) == (block_tokens, block_heads, num_warps)
+
+
+def test_the_triton_floor_refuses_arrays_it_does_not_index_as_the_kernel_reads_them():
+    torch = pytest.importorskip("torch")
+    from interop.bench import triton_floors
+
+    config = TINY.config
+    kv = torch.empty((4, 2, 2 * config.kv_size), dtype=torch.bfloat16)
+    dest = torch.empty((2, 4, config.num_kv_heads, config.head_dim), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="expected unit-stride rows of kv and cos_sin_cache and contiguous outputs"):
+        triton_floors.copy(kv, torch.empty((64, 16)), torch.zeros(4, dtype=torch.int32), dest.transpose(0, 1),
+                           dest, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                           rotary_dim=config.rotary_dim, rope_style="neox", cos_sin=False)
+
+
 def test_the_floor_check_fails_outputs_that_are_not_k_and_v():
     jnp = pytest.importorskip("jax.numpy")
-    from interop.bench.floors import copy_verdict
+    from interop.bench.check import kv_copy_verdict as copy_verdict
 
     config = TINY.config
     kv = jnp.asarray(random_inputs(config, n_layers=2, total_ctx=5, max_position=64).kv)

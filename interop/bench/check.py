@@ -137,6 +137,16 @@ def end_to_end_verdict(k, v, layers, ctx_hidden, positions, *, slots=None, toler
     return "ok"
 
 
+def kv_copy_verdict(outputs, kv, *, num_kv_heads: int, head_dim: int) -> str:
+    """``'ok'`` when the sampled token rows of ``outputs`` hold K and V of ``kv``, bit for bit."""
+    rows = checked_rows(int(kv.shape[0]))
+    sampled = take_rows(kv, rows, 0)
+    halves = sampled.reshape(len(rows), sampled.shape[1], 2, num_kv_heads, head_dim).transpose(2, 1, 0, 3, 4)
+    mismatches = sum(bit_mismatches(take_rows(out, rows, 1), np.ascontiguousarray(expected))[0]
+                     for out, expected in zip(outputs, halves))
+    return "ok" if not mismatches else f"FAIL: {mismatches} elements differ from kv"
+
+
 def copy_verdict(destination, source, *, negated: bool = False) -> str:
     """``'ok'`` when the sampled rows of ``destination`` hold ``source``'s bits (or its negation)."""
     rows = checked_rows(int(source.shape[0]))

@@ -20,12 +20,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from interop.bench.check import checked_rows, take_rows
-from interop.testing import bit_mismatches
 
 
 def copy_kernel(kv_ref, cos_sin_ref, positions_ref, k_dest_ref, v_dest_ref, k_out_ref, v_out_ref, *,
@@ -91,13 +88,3 @@ def copy(kv, cos_sin_cache, positions, k_dest, v_dest, *, num_kv_heads: int, hea
         grid=(pl.cdiv(total_ctx, block_tokens), n_layers // block_layers, pl.cdiv(num_kv_heads, block_heads)),
         input_output_aliases={3: 0, 4: 1}, compiler_params=plgpu.CompilerParams(num_warps=num_warps),
         interpret=interpret, name="fused_kv_floor")(kv, cos_sin_cache, positions, k_dest, v_dest)
-
-
-def copy_verdict(outputs, kv, *, num_kv_heads: int, head_dim: int) -> str:
-    """``'ok'`` when the sampled token rows of ``outputs`` hold K and V of ``kv``, bit for bit."""
-    rows = checked_rows(int(kv.shape[0]))
-    sampled = take_rows(kv, rows, 0)
-    halves = sampled.reshape(len(rows), sampled.shape[1], 2, num_kv_heads, head_dim).transpose(2, 1, 0, 3, 4)
-    mismatches = sum(bit_mismatches(take_rows(out, rows, 1), np.ascontiguousarray(expected))[0]
-                     for out, expected in zip(outputs, halves))
-    return "ok" if not mismatches else f"FAIL: {mismatches} elements differ from kv"

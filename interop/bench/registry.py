@@ -12,9 +12,10 @@ Kinds:
 * ``baseline``: the op as a model author would write it (eager PyTorch, ``torch.compile``,
   jnp under ``jax.jit``, which XLA fuses); the fastest is the speed-up column's yardstick;
 * ``copy``: a device copy of the op's bytes in the same framework (the "of copy" column);
-* ``floor``: the Pallas kernel's data movement alone, in its own form
-  (:mod:`interop.bench.floors`): ``pallas-floor`` copies K and V unchanged,
-  ``pallas-floor-cos-sin`` also loads the cos/sin rows;
+* ``floor``: each kernel's data movement alone, in its own form
+  (:mod:`interop.bench.triton_floors`, :mod:`interop.bench.floors`): ``triton-floor`` and
+  ``pallas-floor`` copy K and V unchanged, ``triton-floor-cos-sin`` and
+  ``pallas-floor-cos-sin`` also load each token's position and cos/sin row;
 * ``materializer``: each materializer's GEMM alone, and the materializer end to end,
   into outputs, into a paged cache, and the flow it replaces
   (:mod:`interop.bench.materializers`);
@@ -44,9 +45,9 @@ from typing import Callable, Sequence
 
 from interop.bench import backward, materializers, options, training
 from interop.bench.baselines import jnp_reference_math, torch_reference_math
-from interop.bench.check import copy_verdict, op_verdict
+from interop.bench.check import copy_verdict, kv_copy_verdict, op_verdict
 from interop.bench.report import on_gemm
-from interop.bench.rows import Calls, Implementation, NotApplicable, Steps, op_calls, op_steps
+from interop.bench.rows import Calls, Implementation, NotApplicable, Steps, nan_pair, op_calls, op_steps
 from interop.bench.workload import Workload
 
 __all__ = ["BY_NAME", "IMPLEMENTATIONS", "KINDS", "LAUNCH_FLOOR", "Calls", "Implementation", "NotApplicable",
@@ -264,8 +265,27 @@ def _pallas_floor(workload: Workload, *, cos_sin: bool) -> Steps:
                                  rope_style=config.rope_style, cos_sin=cos_sin))
 
     steps = op_steps(workload, step)
-    return dataclasses.replace(steps, check=lambda outputs, i: floors.copy_verdict(
+    return dataclasses.replace(steps, check=lambda outputs, i: kv_copy_verdict(
         outputs, workload.varying(i, "jax")[0], **static))
+
+
+def _triton_floor(workload: Workload, *, cos_sin: bool) -> Calls:
+    """:func:`interop.bench.triton_floors.copy` over every input set, checked as a copy of K and V."""
+    from interop.bench import triton_floors
+
+    config = workload.shape.config
+    static = dict(num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+    op_bytes = workload.shape.op_bytes(workload.total_ctx, workload.dtype)
+    sets = workload.sets(op_bytes)
+    args = [workload.op_args(i, "torch") for i in range(sets)]
+    outputs = [nan_pair(workload, "torch") for _ in range(sets)]
+
+    def call(i):
+        kv, _, _, cos_sin_cache, positions = args[i]
+        return triton_floors.copy(kv, cos_sin_cache, positions, *outputs[i], **static, rotary_dim=config.rotary_dim,
+                                  rope_style=config.rope_style, cos_sin=cos_sin)
+
+    return Calls(call, sets, op_bytes, lambda: kv_copy_verdict(call(0), args[0][0], **static))
 
 
 def _torch_copy(workload: Workload) -> Calls:
@@ -322,6 +342,9 @@ IMPLEMENTATIONS = (
     Implementation("torch-compile", "torch", "baseline", _torch_compile, baseline=True),
     Implementation("jnp-jit", "jax", "baseline", _jnp_steps, baseline=True),
     Implementation("torch-copy", "torch", "copy", _torch_copy, does_op=False),
+    Implementation("triton-floor", "torch", "floor", functools.partial(_triton_floor, cos_sin=False), does_op=False),
+    Implementation("triton-floor-cos-sin", "torch", "floor", functools.partial(_triton_floor, cos_sin=True),
+                   does_op=False),
     Implementation("pallas-floor", "jax", "floor", functools.partial(_pallas_floor, cos_sin=False), does_op=False),
     Implementation("pallas-floor-cos-sin", "jax", "floor", functools.partial(_pallas_floor, cos_sin=True),
                    does_op=False),

@@ -48,15 +48,25 @@ def graph_replay_seconds(call: Callable[[int], object], input_sets: int, *, rep_
 
     Its capture runs in CUDA's global mode, where another thread's unsafe CUDA call fails
     the capture (or that call): jax's work in the same process is finished before a torch
-    row is timed.
+    row is timed. Python's garbage collector is run before and kept off while it times, so
+    that no earlier row's graph or events are freed (CUDA calls a capture forbids) inside
+    a capture.
     """
+    import gc
     import itertools
 
     import triton.testing
 
     sets = itertools.count()
-    milliseconds = triton.testing.do_bench_cudagraph(lambda: call(next(sets) % input_sets), rep=rep_ms,
-                                                     return_mode="median")
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        milliseconds = triton.testing.do_bench_cudagraph(lambda: call(next(sets) % input_sets), rep=rep_ms,
+                                                         return_mode="median")
+    finally:
+        if was_enabled:
+            gc.enable()
     return milliseconds / 1e3
 
 
