@@ -363,7 +363,8 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: 
 
     Three regimes, each the fastest tile of its sizes under graph replay beside a copy
     of the same bytes: short contexts take many one-warp programs of one head and two
-    tokens, whose loads all start at once; otherwise, and for long contexts, tiles of
+    tokens (one for a call of one token, whose second row would only be masked), whose
+    loads all start at once; otherwise, and for long contexts, tiles of
     about 8 head rows: one token of 8 heads, two of 4, and so on (16 elements of K and 16
     of V per thread), twice that where a row of K is 128 bytes or less (head_dim 64 of a
     16-bit ``kv``, ``itemsize`` its bytes an element), whose 8 rows keep too few bytes
@@ -373,7 +374,10 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: 
     ``n_layers`` (``multiprocessors``: the current GPU's where None): outside short
     contexts a tile takes fewer tokens (halved in turn) while they would not give every
     multiprocessor two, since with one a multiprocessor waits on each program's loads with
-    nothing else in flight; in short contexts a tile takes more heads (doubled in turn, at
+    nothing else in flight, and a tile of more than two head rows that would then not give
+    every multiprocessor four gives up half its rows (tokens first) and keeps its warps (a
+    warp per 256 elements of K), so that twice the threads ask for the call's loads at once;
+    in short contexts a tile takes more heads (doubled in turn, at
     most 8, a warp per 1024 elements of K) while they would give some multiprocessor more
     than 16, since past that handing out the small programs costs more than their loads.
 
@@ -390,7 +394,7 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: 
         return -(-total_ctx // block_tokens) * n_layers * (num_kv_heads // block_heads)
 
     if total_ctx < _SHORT_CONTEXT_END:
-        block_tokens, block_heads = 2, 1
+        block_tokens, block_heads = min(2, total_ctx), 1
         while block_heads < max_heads and programs(block_tokens, block_heads) \
                 > _MAX_SHORT_PROGRAMS_PER_MULTIPROCESSOR * multiprocessors:
             block_heads *= 2
@@ -405,6 +409,10 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: 
         block_tokens = doubled
     while block_tokens > 1 and programs(block_tokens, block_heads) < _MIN_PROGRAMS_PER_MULTIPROCESSOR * multiprocessors:
         block_tokens //= 2
+    if block_tokens * block_heads > 2 and programs(block_tokens, block_heads) \
+            < _MIN_PROGRAMS_PER_MULTIPROCESSOR_OF_HALVED_ROWS * multiprocessors:
+        block_tokens, block_heads = (block_tokens // 2, block_heads) if block_tokens > 1 else (1, block_heads // 2)
+        return block_tokens, block_heads, tile_warps(block_tokens * block_heads, head_dim, 256)
     return block_tokens, block_heads, tile_warps(block_tokens * block_heads, head_dim, 512)
 
 
@@ -428,6 +436,9 @@ _FOUR_TOKEN_TILES = (256, 384)
 # in short contexts it takes more heads until none has more than the second.
 _MIN_PROGRAMS_PER_MULTIPROCESSOR = 2
 _MAX_SHORT_PROGRAMS_PER_MULTIPROCESSOR = 16
+# Outside short contexts a tile of more than two head rows that would not give every multiprocessor this many
+# programs gives up half its rows and keeps its warps.
+_MIN_PROGRAMS_PER_MULTIPROCESSOR_OF_HALVED_ROWS = 4
 # Head rows a tile takes outside short contexts; twice as many where a row of K is this many bytes or
 # fewer and the call still gives every multiprocessor the third number's programs.
 _TILE_ROWS = 8

@@ -137,11 +137,12 @@ def test_a_gptj_row_with_a_tail_is_right_loaded_as_pairs_throughout_and_in_piece
     assert_matches_reference(inputs, config, k, v)
 
 
-@pytest.mark.parametrize("total_ctx, tile", [(127, (2, 1)), (130, (2, 4)), (257, (4, 4))])
+@pytest.mark.parametrize("total_ctx, tile", [(127, (2, 1)), (130, (1, 4)), (257, (2, 4))])
 def test_decode_and_mid_size_contexts_on_their_default_tiles(total_ctx, tile):
     # Below 128 tokens two-token one-head tiles; between and beyond, tiles of about 8 head rows
     # (4 heads: 2 tokens); from 256 to 384 four times their tokens (4 heads: 8 tokens), halved
-    # at 257 tokens of 5 layers, whose 165 programs would not give 132 multiprocessors two each.
+    # at 257 tokens of 5 layers, whose 165 programs would not give 132 multiprocessors two each;
+    # both then take half their rows, their 325 and 330 programs under four a multiprocessor.
     # The GPU's tiles, launched by name: interpreted, a call's default is a few large tiles.
     # One layer: layers are a grid axis of their own, and the interpreter pays per program.
     config = FusedKVConfig(4, 64, 64, "gptj")
@@ -157,13 +158,23 @@ def test_decode_and_mid_size_contexts_on_their_default_tiles(total_ctx, tile):
 
 
 @pytest.mark.parametrize("total_ctx, heads, n_layers, tile", [
-    (256, 2, 3, (2, 2, 1)),    # 16-token tiles would give 48 programs: halved three times to 384
-    (1024, 1, 1, (2, 1, 1)),   # 8-token tiles would give 128 programs: halved twice to 512
-    (256, 8, 5, (4, 8, 8)),    # 320 programs: the tile of its regime
+    (256, 2, 3, (1, 2, 1)),    # 16-token tiles would give 48 programs: halved three times to 384, then 768
+    (1024, 1, 1, (2, 1, 1)),   # 8-token tiles would give 128 programs: halved twice to 512 (two rows stay)
+    (256, 16, 5, (4, 8, 8)),   # 640 programs: the tile of its regime
     (4096, 2, 3, (4, 2, 2)),
 ])
 def test_a_call_with_fewer_than_two_programs_a_multiprocessor_takes_smaller_tiles(total_ctx, heads, n_layers, tile):
     assert kernel_module.default_tile(total_ctx, heads, 128, n_layers=n_layers, multiprocessors=132) == tile
+
+
+@pytest.mark.parametrize("heads, n_layers, head_dim, tile", [
+    (32, 8, 256, (1, 1, 1)),   # g11 of the shape grid: 256 programs, one a head and layer
+    (2, 5, 256, (1, 1, 1)),
+    (1, 1, 80, (1, 1, 1)),
+])
+def test_a_call_of_one_token_takes_tiles_of_one_token(heads, n_layers, head_dim, tile):
+    assert kernel_module.default_tile(1, heads, head_dim, n_layers=n_layers, multiprocessors=132) == tile
+    assert kernel_module.default_tile(2, heads, head_dim, n_layers=n_layers, multiprocessors=132)[0] == 2
 
 
 @pytest.mark.parametrize("total_ctx, heads, n_layers, head_dim, tile", [
@@ -176,6 +187,21 @@ def test_a_call_with_fewer_than_two_programs_a_multiprocessor_takes_smaller_tile
 def test_a_short_context_with_more_than_sixteen_programs_a_multiprocessor_takes_more_heads(
         total_ctx, heads, n_layers, head_dim, tile):
     assert kernel_module.default_tile(total_ctx, heads, head_dim, n_layers=n_layers, multiprocessors=132) == tile
+
+
+@pytest.mark.parametrize("total_ctx, heads, n_layers, head_dim, itemsize, tile", [
+    (1024, 2, 1, 80, 4, (1, 2, 1)),    # g27 of the shape grid: 2x2x1 would give 512 programs, under 4 each of 132
+    (256, 1, 8, 192, 2, (2, 1, 2)),    # g30: 4x1x2, 512 programs; the warps stay
+    (256, 8, 1, 192, 2, (1, 4, 4)),    # g31: one token of 8 heads, 256 programs, so half the heads
+    (256, 8, 5, 256, 2, (2, 8, 8)),    # g25: four-token tiles, 320 programs
+    (256, 2, 2, 128, 4, (1, 2, 1)),    # g09: two rows already
+    (256, 16, 5, 192, 2, (4, 8, 8)),   # g03: 640 programs, 4 or more each
+    (1024, 1, 8, 64, 2, (8, 1, 1)),    # g10: 1024 programs
+])
+def test_a_tile_that_leaves_a_multiprocessor_fewer_than_four_programs_takes_half_its_rows_and_keeps_its_warps(
+        total_ctx, heads, n_layers, head_dim, itemsize, tile):
+    assert kernel_module.default_tile(total_ctx, heads, head_dim, n_layers=n_layers, itemsize=itemsize,
+                                      multiprocessors=132) == tile
 
 
 @pytest.mark.parametrize("total_ctx, heads, head_dim, itemsize, tile", [
