@@ -1592,3 +1592,45 @@ def test_the_pallas_backward_row_launches_the_tile_that_jax_grad_takes(monkeypat
     _, vjp = jax.vjp(lambda kv: op(kv, weight, eps, cos_sin, positions), kv)
     vjp((grad_k, grad_v))
     assert len(launched) == 2 and launched[0] == launched[1]
+
+
+def _failing_graph_bench(monkeypatch, errors):
+    """do_bench_cudagraph replaced by one that raises ``errors`` in turn, then runs the
+    function it is given twice and reports 2 ms; returns the list of its attempts."""
+    import triton.testing
+
+    attempts = []
+
+    def bench(fn, rep, return_mode):
+        attempts.append(rep)
+        if len(attempts) <= len(errors):
+            raise errors[len(attempts) - 1]
+        fn()
+        fn()
+        return 2.0
+
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", bench)
+    return attempts
+
+
+def test_a_graph_capture_that_fails_once_is_captured_and_timed_again(monkeypatch):
+    from interop.bench.timers import graph_replay_seconds
+
+    attempts = _failing_graph_bench(monkeypatch, [RuntimeError("operation failed due to a previous error during capture")])
+    called = []
+    assert graph_replay_seconds(called.append, 3, rep_ms=5) == 2.0 / 1e3
+    assert attempts == [5, 5] and called == [0, 1]
+
+
+def test_a_graph_capture_that_fails_twice_or_another_error_is_raised(monkeypatch):
+    from interop.bench.timers import graph_replay_seconds
+
+    capture = RuntimeError("operation not permitted when stream is capturing")
+    attempts = _failing_graph_bench(monkeypatch, [capture, capture])
+    with pytest.raises(RuntimeError, match="capturing"):
+        graph_replay_seconds(lambda i: None, 1)
+    assert len(attempts) == 2
+    attempts = _failing_graph_bench(monkeypatch, [RuntimeError("CUDA error: an illegal memory access")])
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        graph_replay_seconds(lambda i: None, 1)
+    assert len(attempts) == 1
