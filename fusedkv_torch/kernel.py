@@ -409,11 +409,11 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: 
         block_tokens = doubled
     while block_tokens > 1 and programs(block_tokens, block_heads) < _MIN_PROGRAMS_PER_MULTIPROCESSOR * multiprocessors:
         block_tokens //= 2
+    num_warps = tile_warps(block_tokens * block_heads, head_dim, 512)
     if block_tokens * block_heads > 2 and programs(block_tokens, block_heads) \
             < _MIN_PROGRAMS_PER_MULTIPROCESSOR_OF_HALVED_ROWS * multiprocessors:
         block_tokens, block_heads = (block_tokens // 2, block_heads) if block_tokens > 1 else (1, block_heads // 2)
-        return block_tokens, block_heads, tile_warps(block_tokens * block_heads, head_dim, 256)
-    return block_tokens, block_heads, tile_warps(block_tokens * block_heads, head_dim, 512)
+    return block_tokens, block_heads, num_warps
 
 
 def tile_warps(rows: int, head_dim: int, elements_per_warp: int) -> int:

@@ -71,7 +71,7 @@ def graph_replay_seconds(call: Callable[[int], object], input_sets: int, *, rep_
                 milliseconds = triton.testing.do_bench_cudagraph(lambda: call(next(sets) % input_sets), rep=rep_ms,
                                                                  return_mode="median")
                 break
-            except RuntimeError as error:  # torch.AcceleratorError is one
+            except RuntimeError as error:  # torch.AcceleratorError is one; "captur": capture, capturing
                 if attempt + 1 == _CAPTURE_ATTEMPTS or "captur" not in str(error):
                     raise
     finally:
