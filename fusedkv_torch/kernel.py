@@ -394,7 +394,7 @@ def default_tile(total_ctx: int, num_kv_heads: int, head_dim: int, *, n_layers: 
         return -(-total_ctx // block_tokens) * n_layers * (num_kv_heads // block_heads)
 
     if total_ctx < _SHORT_CONTEXT_END:
-        block_tokens, block_heads = min(2, total_ctx), 1
+        block_tokens, block_heads = 1 if total_ctx == 1 else 2, 1
         while block_heads < max_heads and programs(block_tokens, block_heads) \
                 > _MAX_SHORT_PROGRAMS_PER_MULTIPROCESSOR * multiprocessors:
             block_heads *= 2

@@ -177,6 +177,11 @@ def test_a_call_of_one_token_takes_tiles_of_one_token(heads, n_layers, head_dim,
     assert kernel_module.default_tile(2, heads, head_dim, n_layers=n_layers, multiprocessors=132)[0] == 2
 
 
+def test_an_empty_context_takes_the_short_context_tile():
+    # An empty call (a model's warm-up) is planned on a GPU too before it returns its empty outputs.
+    assert kernel_module.default_tile(0, 8, 128, n_layers=5, itemsize=2, multiprocessors=132) == (2, 1, 1)
+
+
 @pytest.mark.parametrize("total_ctx, heads, n_layers, head_dim, tile", [
     (64, 16, 8, 128, (2, 2, 1)),   # 4096 one-head programs would give 132 multiprocessors 31 each
     (96, 16, 8, 128, (2, 4, 1)),   # 6144: doubled twice
@@ -221,7 +226,7 @@ def test_tiles_of_rows_of_128_bytes_or_less_take_twice_the_rows_where_programs_r
 def test_every_default_tile_is_one_the_kernel_takes():
     rng = np.random.default_rng(7)
     for _ in range(2000):
-        total_ctx = int(rng.choice([1, 2, 7, 64, 100, 127, 128, 255, 256, 383, 384, 1000, 4096, 32768, 100_000]))
+        total_ctx = int(rng.choice([0, 1, 2, 7, 64, 100, 127, 128, 255, 256, 383, 384, 1000, 4096, 32768, 100_000]))
         heads = int(rng.integers(1, 65))
         head_dim = int(rng.choice([8, 64, 80, 96, 128, 192, 256, 512, 1024, 4096]))
         n_layers, itemsize = int(rng.integers(1, 65)), int(rng.choice([1, 2, 4]))
