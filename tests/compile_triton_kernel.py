@@ -2,7 +2,8 @@
 PTX and a cubin, which Triton's own ptxas builds), for every form a call can take: each
 optional argument given or None (``layer_rope_table_ptr`` given: per-layer cos/sin tables),
 both RoPE styles, with and without an unrotated tail (a gptj one also as part of the pairs), an
-fp32 or a bf16 table. Run by test_torch_kernel.py in a process without TRITON_INTERPRET; exits
+fp32 or a bf16 table; pointers and strides aligned as a launch on contiguous tensors finds them,
+so the layouts compiled are the ones a launch compiles. Run by test_torch_kernel.py in a process without TRITON_INTERPRET; exits
 non-zero on the first form that does not compile, printing it and the compiler's error."""
 
 import itertools
@@ -23,19 +24,30 @@ TENSORS = {"kv_ptr": "*bf16", "k_norm_weight_ptr": "*fp32", "eps_ptr": "*fp32", 
            "layer_rope_table_ptr": "*i32"}
 
 
+# Triton specializes a launch's 16-byte aligned pointers and its integers that are multiples of
+# 16, and picks each load's and store's vector width and register layout from that.
+_ALIGNED = [["tt.divisibility", 16]]
+
+
 def _compile(function, present: dict, absent: set, sizes: dict) -> None:
     """``function`` compiled for Hopper: ``present`` tensors of their types, ``absent`` ones None,
-    ``sizes`` constexprs, every other argument an i32."""
-    signature, constants = {}, {}
+    ``sizes`` constexprs, every other argument an i32: the strides of the rows and heads of
+    ``kv`` and the outputs multiples of 16, as is the cos/sin table's row stride (its rotary
+    dims) where it is one, the strides of their last dims 1."""
+    signature, constants, attributes = {}, {}, {}
     for index, name in enumerate(function.arg_names):
         if name in present:
             signature[name] = present[name]
-        elif name in absent or name in sizes:
+            attributes[(index,)] = _ALIGNED
+        elif name in absent or name in sizes or name.endswith("_stride_d"):
             signature[name] = "constexpr"
-            constants[(index,)] = sizes.get(name)
+            constants[(index,)] = None if name in absent else sizes.get(name, 1)
         else:
             signature[name] = "i32"
-    triton.compile(ASTSource(function, signature, constants), target=GPUTarget("cuda", 90, 32),
+            aligned_table = name == "cos_sin_stride_p" and sizes["ROTARY_DIM"] % 16 == 0
+            if name.split("_stride_")[-1] in ("t", "l", "row", "h") or aligned_table:
+                attributes[(index,)] = _ALIGNED
+    triton.compile(ASTSource(function, signature, constants, attributes), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 4})
 
 
@@ -85,6 +97,8 @@ def main() -> int:
     # K-norm weight as one broadcast row (kernel.loads_one_weight_row), in both styles.
     shapes += [(False, 0, "*bf16", False), (True, 96, "*fp32", False), (False, 64, "*fp32", True),
                (True, 96, "*fp32", True)]
+    # Rotary 40 of 128: rows of the table that Triton cannot know to be 16-byte aligned.
+    shapes += [(gptj, 88, "*fp32", weight_row) for gptj, weight_row in itertools.product((False, True), (False, True))]
     for given, (gptj, tail, table, weight_row) in itertools.product(forms, shapes):
         try:
             compile_form(given, gptj, tail, table, weight_row)
