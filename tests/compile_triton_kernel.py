@@ -3,8 +3,9 @@ PTX and a cubin, which Triton's own ptxas builds), for every form a call can tak
 optional argument given or None (``layer_rope_table_ptr`` given: per-layer cos/sin tables),
 both RoPE styles, with and without an unrotated tail (a gptj one also as part of the pairs), an
 fp32 or a bf16 table; pointers and strides aligned as a launch on contiguous tensors finds them,
-so the layouts compiled are the ones a launch compiles. Run by test_torch_kernel.py in a process without TRITON_INTERPRET; exits
-non-zero on the first form that does not compile, printing it and the compiler's error."""
+so the layouts compiled are the ones a launch compiles. Run by test_torch_kernel.py in a process
+without TRITON_INTERPRET; exits non-zero on the first form that does not compile, printing it and
+the compiler's error."""
 
 import itertools
 import sys
