@@ -113,7 +113,7 @@ class DirectLauncher:
             key = (device, *_address_key(addresses), *integer_key)
             launch = compiled.get(key)
             if launch is not None:
-                launch(grid, self._current_stream(device), *addresses, *plain_ints, *ints, *constexprs)
+                launch(grid, self._current_stream(device), addresses, (*plain_ints, *ints, *constexprs))
                 return launch
             self._compile_and_launch(compiled, key, grid, tensors, addresses, plain_ints, ints, constexprs,
                                      dict(num_warps=num_warps, launch_pdl=launch_pdl))
@@ -129,7 +129,7 @@ class DirectLauncher:
         through ``kernel[grid]``."""
         if self._observed():
             return False
-        launch(grid, self._current_stream(device), *addresses, *arguments)
+        launch(grid, self._current_stream(device), addresses, arguments)
         return True
 
     def _observed(self) -> bool:
@@ -175,11 +175,11 @@ def _driver_stream_getter():
 
 
 def _launch_of(kernel):
-    """``launch(grid, stream, *args)`` of a compiled ``kernel``: :class:`Launch`, or
-    ``kernel[grid]`` where the compiled kernel lacks the parts ``kernel[grid]`` hands its launcher."""
+    """``launch(grid, stream, addresses, arguments)`` of a compiled ``kernel``: :class:`Launch`,
+    or ``kernel[grid]`` where the compiled kernel lacks the parts ``kernel[grid]`` hands its launcher."""
     if all(hasattr(kernel, name) for name in ("run", "function", "packed_metadata")):
         return Launch(kernel)
-    return lambda grid, stream, *args: kernel[(grid, 1, 1)](*args, stream=stream)
+    return lambda grid, stream, addresses, arguments: kernel[(grid, 1, 1)](*addresses, *arguments, stream=stream)
 
 
 class Launch:
@@ -193,5 +193,7 @@ class Launch:
         self.kernel = kernel
         self._run, self._function, self._metadata = kernel.run, kernel.function, kernel.packed_metadata
 
-    def __call__(self, grid: int, stream: int, *args) -> None:
-        self._run(grid, 1, 1, stream, self._function, self._metadata, None, None, None, *args)
+    def __call__(self, grid: int, stream: int, addresses: Sequence[Optional[int]], arguments: tuple) -> None:
+        """Launch ``grid`` programs on ``stream`` with the kernel's tensors at ``addresses``
+        (None for a None tensor) and the rest of its ``arguments``."""
+        self._run(grid, 1, 1, stream, self._function, self._metadata, None, None, None, *addresses, *arguments)

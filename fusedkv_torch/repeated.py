@@ -20,6 +20,8 @@ torch has no tensor guards.
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Optional
 
 import torch
@@ -39,7 +41,7 @@ _MAX_LAYOUTS_A_KEY = 8
 # A call's tensors in the kernel's order (launch_arguments): kv, k_norm_weight, eps,
 # cos_sin_cache, positions, cache_loc, k_dest, v_dest, k_scale, v_scale, v_multiplier,
 # layer_rope_table.
-_K_DEST, _V_DEST = 6, 7
+_TENSORS, _K_DEST, _V_DEST = 12, 6, 7
 _GRAD_MODE = 6  # the key's grad mode (layout_key)
 _OUTPUT_NAMES = {"call": ("k_out", "v_out"), "cache": ("k_cache", "v_cache")}
 
@@ -62,7 +64,30 @@ class _Layout:
         self.launches: dict[tuple, object] = {}
 
 
-_LAYOUTS: dict[tuple, list[_Layout]] = {}
+class _Kept:
+    """The layouts kept under one key, newest first, and what the key says of its calls'
+    tensors (in the kernel's order): ``given``, the getter of those not None as given;
+    ``launched``, of those not None as launched (with the outputs a call allocates);
+    ``k_dest_at``, where ``k_dest`` is among those launched (``v_dest`` next); ``in_place``,
+    the getter that puts the addresses of those launched, followed by None, back in their
+    places, None for the others."""
+
+    __slots__ = ("given", "launched", "k_dest_at", "in_place", "layouts")
+
+    def __init__(self, given: tuple):
+        launched = sorted({*given, _K_DEST, _V_DEST})
+        # kv, cos_sin_cache and positions are never None here: each getter returns a tuple.
+        self.given = operator.itemgetter(*given)
+        self.launched = operator.itemgetter(*launched)
+        self.k_dest_at = launched.index(_K_DEST)
+        self.in_place = operator.itemgetter(*[launched.index(i) if i in launched else len(launched)
+                                              for i in range(_TENSORS)])
+        self.layouts: list[_Layout] = []
+
+
+_LAYOUTS: dict[tuple, _Kept] = {}
+_DATA_PTR = torch.Tensor.data_ptr
+_LOW_BITS = (15).__and__  # an address's bits below 16 bytes, which Triton specializes on
 
 
 def layout_key(kind: str, static: tuple, tensors: tuple) -> Optional[tuple]:
@@ -82,41 +107,57 @@ def layout_key(kind: str, static: tuple, tensors: tuple) -> Optional[tuple]:
         length = tensors[0].shape[0]
     except (AttributeError, IndexError, TypeError):  # not an array with a length: validation names it
         return None
-    return (kind, *static, length, torch.is_grad_enabled(), *[tensor is None for tensor in tensors])
+    # One test a tensor, written out: a comprehension costs as much as the rest of the key.
+    (kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_dest, v_dest, k_scale, v_scale, v_multiplier,
+     layer_rope_table) = tensors
+    return (kind, *static, length, torch.is_grad_enabled(), k_norm_weight is None, eps is None,
+            cos_sin_cache is None, positions is None, cache_loc is None, k_dest is None, v_dest is None,
+            k_scale is None, v_scale is None, v_multiplier is None, layer_rope_table is None)
 
 
 def launch_again(key: Optional[tuple], tensors: tuple) -> Optional[tuple]:
     """The call's ``(k_dest, v_dest)`` after launching it as its layout's first call did;
     None, having written nothing, where the layout, its alignment or its device was not
     launched directly before (the full path then runs, and :func:`launch_first` keeps it)."""
-    layout = _matching(key, tensors)
-    if layout is None:
+    kept = _LAYOUTS.get(key)
+    if kept is None:
+        return None
+    given = kept.given(tensors)
+    for layout in kept.layouts:
+        if layout.guard.check(*given):
+            break
+    else:
         return None
     if layout.output_shape is not None:  # outputs to allocate: they overlap nothing
         kv = tensors[0]
-        k_dest = tensors[_K_DEST] if tensors[_K_DEST] is not None else kv.new_empty(layout.output_shape)
-        v_dest = tensors[_V_DEST] if tensors[_V_DEST] is not None else kv.new_empty(layout.output_shape)
-        tensors = (*tensors[:_K_DEST], k_dest, v_dest, *tensors[_V_DEST + 1:])
-    addresses = [None if tensor is None else tensor.data_ptr() for tensor in tensors]
-    if layout.output_shape is None and _spans_meet(layout.spans, addresses[0], addresses[_K_DEST],
-                                                   addresses[_V_DEST]):
+        tensors = (*tensors[:_K_DEST], kv.new_empty(layout.output_shape), kv.new_empty(layout.output_shape),
+                   *tensors[_V_DEST + 1:])
+    addresses = [*map(_DATA_PTR, kept.launched(tensors))]
+    if layout.output_shape is None and _spans_meet(layout.spans, addresses[0], addresses[kept.k_dest_at],
+                                                   addresses[kept.k_dest_at + 1]):
         names = _OUTPUT_NAMES[key[0]]
         check_output_buffers(tensors[0], ((names[0], tensors[_K_DEST]), (names[1], tensors[_V_DEST])))
     device = torch.cuda.current_device()
-    launch = layout.launches.get((device, *[address & 15 for address in addresses if address is not None]))
-    if launch is None or not _launcher.relaunch(launch, layout.grid, device, addresses, layout.arguments):
+    launch = layout.launches.get((device, _alignment(addresses)))
+    addresses.append(None)
+    if launch is None or not _launcher.relaunch(launch, layout.grid, device, kept.in_place(addresses),
+                                                layout.arguments):
         return None
     return tensors[_K_DEST], tensors[_V_DEST]
 
 
-def _matching(key: Optional[tuple], tensors: tuple) -> Optional[_Layout]:
-    """The layout kept under ``key`` whose guard the given tensors pass, or None."""
-    layouts = _LAYOUTS.get(key) if key is not None else None
-    if layouts is not None:
-        given = [tensor for tensor in tensors if tensor is not None]
-        for layout in layouts:
-            if layout.guard.check(*given):
-                return layout
+def _alignment(addresses) -> object:
+    """What Triton may specialize ``addresses`` on: 0 where each is a multiple of 16 bytes
+    (the common case, told by one reduction), else each one's bits below 16."""
+    return functools.reduce(operator.or_, addresses) & 15 and tuple(map(_LOW_BITS, addresses))
+
+
+def _matching(kept: _Kept, tensors: tuple) -> Optional[_Layout]:
+    """The layout of ``kept`` whose guard the given tensors pass, or None."""
+    given = kept.given(tensors)
+    for layout in kept.layouts:
+        if layout.guard.check(*given):
+            return layout
     return None
 
 
@@ -166,7 +207,8 @@ def _in_launch_order(tensors: tuple) -> tuple:
 def _keep(key: tuple, prepared, given: tuple, tensors: tuple, arguments: tuple, launch, output_shape) -> None:
     """Keep ``launch`` under the layout of ``given`` (the caller's tensors, the kernel's
     order), making the layout where none is kept: ``tensors`` are those launched."""
-    layout = _matching(key, given)
+    kept = _LAYOUTS.get(key)
+    layout = _matching(kept, given) if kept is not None else None
     if layout is None:
         present = [tensor for tensor in given if tensor is not None]
         try:
@@ -178,13 +220,14 @@ def _keep(key: tuple, prepared, given: tuple, tensors: tuple, arguments: tuple, 
         _, plain_ints, ints = launch_arguments(*arguments)
         spans = tuple(_span(tensors[index]) for index in (0, _K_DEST, _V_DEST))
         layout = _Layout(guard, grid, (*plain_ints, *ints, *constexprs), spans, output_shape)
-        if len(_LAYOUTS) >= _MAX_KEYS:
-            _LAYOUTS.clear()
-        layouts = _LAYOUTS.setdefault(key, [])
-        layouts.insert(0, layout)
-        del layouts[_MAX_LAYOUTS_A_KEY:]
-    addresses = [tensor.data_ptr() for tensor in tensors if tensor is not None]
-    layout.launches[(torch.cuda.current_device(), *[address & 15 for address in addresses])] = launch
+        if kept is None:
+            if len(_LAYOUTS) >= _MAX_KEYS:
+                _LAYOUTS.clear()
+            kept = _LAYOUTS[key] = _Kept(tuple(i for i, tensor in enumerate(given) if tensor is not None))
+        kept.layouts.insert(0, layout)
+        del kept.layouts[_MAX_LAYOUTS_A_KEY:]
+    addresses = [*map(_DATA_PTR, kept.launched(tensors))]
+    layout.launches[(torch.cuda.current_device(), _alignment(addresses))] = launch
 
 
 def _span(tensor: torch.Tensor) -> int:

@@ -1020,21 +1020,21 @@ def test_the_launch_capture_records_the_compiled_kernel_its_grid_and_arguments_a
         def __init__(self, kernel):
             self.kernel = kernel
 
-        def __call__(self, grid, stream, *args):
-            launched.append(("direct", grid, stream, args))
+        def __call__(self, grid, stream, addresses, arguments):
+            launched.append(("direct", grid, stream, addresses, arguments))
 
     kernel = Compiled()
     direct = Launch(kernel)
 
     def both():
         kernel[(4, 1, 1)](1, 2, stream=None)
-        direct(8, 77, 5, 6)
+        direct(8, 77, [5], (6,))
 
     seen = captured_launches(both, kernel_class=Compiled, launch_class=Launch)
     assert seen == [(kernel, (4, 1, 1), (1, 2), {"stream": None}), (kernel, (8, 1, 1), (5, 6), {})]
-    assert launched == [((4, 1, 1), (1, 2), {"stream": None}), ("direct", 8, 77, (5, 6))]
+    assert launched == [((4, 1, 1), (1, 2), {"stream": None}), ("direct", 8, 77, [5], (6,))]
     kernel[(2, 1, 1)](3)
-    direct(1, 0)
+    direct(1, 0, [], ())
     assert len(seen) == 2 and len(launched) == 4  # the classes are as they were
 
 

@@ -34,7 +34,6 @@ CONFIG = FusedKVConfig(2, 64, 32, "neox")
 N_LAYERS, TOTAL_CTX = 2, 3
 SHAPE = CONFIG.output_shape(N_LAYERS, TOTAL_CTX)
 STATIC = dict(num_kv_heads=2, head_dim=64, rotary_dim=32, rope_style="neox")
-_TENSORS = 12  # the kernel's tensor parameters (kernel.launch_arguments)
 
 
 class StandIn:
@@ -44,8 +43,8 @@ class StandIn:
     def __init__(self, launches, tensors_at, options):
         self.launches, self.tensors_at, self.options = launches, tensors_at, options
 
-    def __call__(self, grid, stream, *args):
-        addresses, rest = args[:_TENSORS], args[_TENSORS:]
+    def __call__(self, grid, stream, addresses, rest):
+        addresses = tuple(addresses)
         self.launches.append((grid, addresses))
         tensors = [None if address is None else self.tensors_at[address] for address in addresses]
         kernel_module._launcher.kernel[(grid,)](*tensors, *rest, **self.options)
@@ -343,7 +342,7 @@ def test_repeated_layouts_on_the_gpu_match_the_reference_at_every_alignment():
             assert_matches_reference(inputs, k, v)
             assert_matches_reference(inputs, *fused_kv_norm_rope(kv, *arrays[1:], **STATIC))
     layouts = [layout for key, kept in repeated._LAYOUTS.items() if key[:5] == ("call", *STATIC.values())
-               for layout in kept]
+               for layout in kept.layouts]
     assert sum(len(layout.launches) for layout in layouts) >= 6
 
 

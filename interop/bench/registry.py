@@ -111,9 +111,10 @@ def captured_launches(call: Callable[[], object], kernel_class=None, launch_clas
             return runner(*args, **kwargs)
         return run
 
-    def recording_call(launch, grid, stream, *args):
-        launches.append((launch.kernel, (grid, 1, 1), args, {}))  # Triton then reads the stream itself
-        return original_call(launch, grid, stream, *args)
+    def recording_call(launch, grid, stream, addresses, arguments):
+        # Triton then reads the stream itself.
+        launches.append((launch.kernel, (grid, 1, 1), (*addresses, *arguments), {}))
+        return original_call(launch, grid, stream, addresses, arguments)
 
     kernel_class.__getitem__, launch_class.__call__ = recording_getitem, recording_call
     try:
