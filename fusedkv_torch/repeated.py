@@ -133,20 +133,24 @@ def launch_again(key: Optional[tuple], tensors: tuple) -> Optional[tuple]:
         tensors = (*tensors[:_K_DEST], kv.new_empty(layout.output_shape), kv.new_empty(layout.output_shape),
                    *tensors[_V_DEST + 1:])
     addresses = [*map(_DATA_PTR, kept.launched(tensors))]
-    if layout.output_shape is None and _spans_meet(layout.spans, addresses[0], addresses[kept.k_dest_at],
-                                                   addresses[kept.k_dest_at + 1]):
-        names = _OUTPUT_NAMES[key[0]]
-        check_output_buffers(tensors[0], ((names[0], tensors[_K_DEST]), (names[1], tensors[_V_DEST])))
+    if layout.output_shape is None:  # given outputs: their spans must meet neither kv nor each other
+        kv, k_dest, v_dest = addresses[0], addresses[kept.k_dest_at], addresses[kept.k_dest_at + 1]
+        kv_span, k_span, v_span = layout.spans
+        if ((kv < k_dest + k_span and k_dest < kv + kv_span) or (kv < v_dest + v_span and v_dest < kv + kv_span)
+                or (k_dest < v_dest + v_span and v_dest < k_dest + k_span)):
+            names = _OUTPUT_NAMES[key[0]]
+            check_output_buffers(tensors[0], ((names[0], tensors[_K_DEST]), (names[1], tensors[_V_DEST])))
     device = torch.cuda.current_device()
     launch = layout.launches.get((device, _alignment(addresses)))
+    if launch is None:
+        return None
     addresses.append(None)
-    if launch is None or not _launcher.relaunch(launch, layout.grid, device, kept.in_place(addresses),
-                                                layout.arguments):
+    if not _launcher.relaunch(launch, layout.grid, device, kept.in_place(addresses), layout.arguments):
         return None
     return tensors[_K_DEST], tensors[_V_DEST]
 
 
-def _alignment(addresses) -> object:
+def _alignment(addresses: list) -> object:
     """What Triton may specialize ``addresses`` on: 0 where each is a multiple of 16 bytes
     (the common case, told by one reduction), else each one's bits below 16."""
     return functools.reduce(operator.or_, addresses) & 15 and tuple(map(_LOW_BITS, addresses))
@@ -159,12 +163,6 @@ def _matching(kept: _Kept, tensors: tuple) -> Optional[_Layout]:
         if layout.guard.check(*given):
             return layout
     return None
-
-
-def _spans_meet(spans: tuple, kv: int, k_dest: int, v_dest: int) -> bool:
-    kv_span, k_span, v_span = spans
-    return ((kv < k_dest + k_span and k_dest < kv + kv_span) or (kv < v_dest + v_span and v_dest < kv + kv_span)
-            or (k_dest < v_dest + v_span and v_dest < k_dest + k_span))
 
 
 def launch_first(key: tuple, prepared, tensors: tuple) -> Optional[tuple]:
