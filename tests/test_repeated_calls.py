@@ -42,10 +42,12 @@ class StandIn:
 
     def __init__(self, launches, tensors_at, options):
         self.launches, self.tensors_at, self.options = launches, tensors_at, options
+        self.calls = 0
 
     def __call__(self, grid, stream, addresses, rest):
         addresses = tuple(addresses)
         self.launches.append((grid, addresses))
+        self.calls += 1
         tensors = [None if address is None else self.tensors_at[address] for address in addresses]
         kernel_module._launcher.kernel[(grid,)](*tensors, *rest, **self.options)
 
@@ -219,6 +221,24 @@ def test_layouts_of_one_length_that_differ_in_strides_are_each_launched_again(di
         kv_addresses.append(arrays[0].data_ptr())
     assert direct.validations == ["accept_call", "accept_call"]
     assert [addresses[0] for _, addresses in direct.relaunches] == kv_addresses[2:]
+
+
+def test_each_alignment_of_a_repeated_layout_is_launched_by_the_kernel_compiled_for_it(direct):
+    numel = TOTAL_CTX * N_LAYERS * 2 * CONFIG.kv_size
+    for round_ in range(2):
+        for offset in (0, 1, 4):  # kv 0, 2 and 8 bytes past 16
+            inputs, arrays = call_inputs(50 + offset + 10 * round_)
+            kv = torch.zeros(numel + 16, dtype=torch.bfloat16)[offset:offset + numel].view(inputs.kv.shape)
+            kv.copy_(arrays[0])
+            assert_matches_reference(inputs, *fused_kv_norm_rope(*direct.known(kv, *arrays[1:]), **STATIC))
+        if round_ == 0:
+            assert len(direct.compiles) == 3 and direct.relaunches == []
+    assert len(direct.compiles) == 3 and len(direct.relaunches) == 3
+    [kept] = repeated._LAYOUTS.values()
+    [layout] = kept.layouts
+    launches = layout.launches
+    assert sorted(bits if bits == 0 else bits[0] for _, bits in launches) == [0, 2, 8]
+    assert [launch.calls for launch in launches.values()] == [1, 1, 1]  # each once, in the second round
 
 
 OVERLAP = "got a buffer overlapping {}, expected outputs that overlap neither each other nor kv."
