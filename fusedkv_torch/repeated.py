@@ -74,10 +74,11 @@ class _Kept:
 
     __slots__ = ("given", "launched", "k_dest_at", "in_place", "layouts")
 
-    def __init__(self, given: tuple):
-        launched = sorted({*given, _K_DEST, _V_DEST})
+    def __init__(self, given_at: tuple):
+        """``given_at``: where the given tensors are among a call's."""
+        launched = sorted({*given_at, _K_DEST, _V_DEST})
         # kv, cos_sin_cache and positions are never None here: each getter returns a tuple.
-        self.given = operator.itemgetter(*given)
+        self.given = operator.itemgetter(*given_at)
         self.launched = operator.itemgetter(*launched)
         self.k_dest_at = launched.index(_K_DEST)
         self.in_place = operator.itemgetter(*[launched.index(i) if i in launched else len(launched)
