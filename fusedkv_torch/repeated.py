@@ -121,13 +121,8 @@ def launch_again(key: Optional[tuple], tensors: tuple) -> Optional[tuple]:
     None, having written nothing, where the layout, its alignment or its device was not
     launched directly before (the full path then runs, and :func:`launch_first` keeps it)."""
     kept = _LAYOUTS.get(key)
-    if kept is None:
-        return None
-    given = kept.given(tensors)
-    for layout in kept.layouts:
-        if layout.guard.check(*given):
-            break
-    else:
+    layout = _matching(kept, tensors) if kept is not None else None
+    if layout is None:
         return None
     if layout.output_shape is not None:  # outputs to allocate: they overlap nothing
         kv = tensors[0]
@@ -135,10 +130,10 @@ def launch_again(key: Optional[tuple], tensors: tuple) -> Optional[tuple]:
                    *tensors[_V_DEST + 1:])
     addresses = [*map(_DATA_PTR, kept.launched(tensors))]
     if layout.output_shape is None:  # given outputs: their spans must meet neither kv nor each other
-        kv, k_dest, v_dest = addresses[0], addresses[kept.k_dest_at], addresses[kept.k_dest_at + 1]
+        kv_at, k_at, v_at = addresses[0], addresses[kept.k_dest_at], addresses[kept.k_dest_at + 1]
         kv_span, k_span, v_span = layout.spans
-        if ((kv < k_dest + k_span and k_dest < kv + kv_span) or (kv < v_dest + v_span and v_dest < kv + kv_span)
-                or (k_dest < v_dest + v_span and v_dest < k_dest + k_span)):
+        if ((kv_at < k_at + k_span and k_at < kv_at + kv_span) or (kv_at < v_at + v_span and v_at < kv_at + kv_span)
+                or (k_at < v_at + v_span and v_at < k_at + k_span)):
             names = _OUTPUT_NAMES[key[0]]
             check_output_buffers(tensors[0], ((names[0], tensors[_K_DEST]), (names[1], tensors[_V_DEST])))
     device = torch.cuda.current_device()
