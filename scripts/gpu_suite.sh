@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Everything a GPU machine must show, run from the tree with nothing installed:
-#   bash scripts/gpu_suite.sh [PART ...]      PART: tests, check, trust, bench, host (default: all five)
+#   bash scripts/gpu_suite.sh [PART ...]      PART: tests, check, trust, bench[:TOKENS], host (default: all five)
 # tests: the pytest suite on the GPU (property tests with their CI examples);
 # check: `fusedkv check` on six configurations, two with the gradients (--grad);
 # trust: scripts/gpu_trust.sh (many calls per entry point, memory, threads, then the
 #        property tests with the GPU's examples);
 # bench: `fusedkv bench --quick`: tables, CSV, JSON, plots and the tables as markdown;
+#        bench:16,256 runs it at those token counts alone, so that it can run in parts;
 # host:  `fusedkv bench --host`: every eager entry point's host cost against Triton's own launch.
 # Logs go to $OUT when it is set, else /tmp/fusedkv-gpu; a summary comes last.
 set -uo pipefail
@@ -48,15 +49,18 @@ for part in $PARTS; do
             FUSEDKV_HYPOTHESIS_EXAMPLES=${FUSEDKV_HYPOTHESIS_EXAMPLES:-120} bash scripts/gpu_trust.sh all 2>&1 \
                 | tee "$LOGS/trust.log" | tail -45 || status=1
             summary+=("trust: $(grep -E 'passed|failed' "$LOGS/trust.log" | tail -1)");;
-        bench)
-            bench bench --quick; code=$?
+        bench|bench:*)
+            tokens=${part#bench}
+            tokens=${tokens#:}
+            name=bench${tokens:+-${tokens//,/-}}
+            bench "$name" --quick ${tokens:+--tokens "$tokens"}; code=$?
             [ "$code" = 0 ] || status=1
-            summary+=("bench: exit $code, tables in $LOGS/bench/bench.md");;
+            summary+=("$part: exit $code, tables in $LOGS/$name/$name.md");;
         host)
             bench host --host; code=$?
             [ "$code" = 0 ] || status=1
             summary+=("host: exit $code, table in $LOGS/host/host.md");;
-        *) echo "unknown part $part (expected tests, check, trust, bench, host)"; exit 2;;
+        *) echo "unknown part $part (expected tests, check, trust, bench[:TOKENS], host)"; exit 2;;
     esac
     summary+=("  ($part took $((SECONDS - start)) s)")
 done

@@ -7,6 +7,7 @@ import csv
 import dataclasses
 import functools
 import json
+import math
 import re
 import struct
 import subprocess
@@ -346,7 +347,8 @@ def test_where_jax_alone_sees_a_device_the_command_runs_its_rows_and_writes_its_
     with open(tmp_path / "out" / "bench.csv", newline="") as file:
         records = list(csv.DictReader(file))
     assert [r["check"] for r in records] == ["ok", "ok", "ok"]
-    assert [r["method"].split(" (")[0] for r in records[:2]] == ["in-jit, 8 calls/jit"] * 2
+    assert all(re.fullmatch(r"in-jit, 8 calls/jit( of \d+ kernels)?", r["method"].split(" (")[0])
+               for r in records[:2])
     document = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert document["meta"]["max_calls_per_jit"] == 8
     assert {p.name for p in (tmp_path / "out").iterdir()} == {
@@ -425,10 +427,31 @@ def test_a_jit_holds_about_a_millisecond_of_calls_estimated_from_their_bytes():
     assert calls_per_jit(0, most=512) == 512
     assert calls_per_jit(3_000_000_000, most=512) == 8  # 1 ms a call: the fewest
     assert calls_per_jit(3_000_000_000, most=2) == 2  # unless the cap is lower
+    # A call of several kernels: the floor for each (20 of 1.5 us: 30 us), unless its bytes take longer.
+    assert calls_per_jit(0, most=512, kernels=20) == 34
+    assert calls_per_jit(30_000_000, most=512, kernels=4) == 100
+    assert calls_per_jit(30_000_000, most=512, kernels=10) == 67
     # The draft shape in bf16, as the runner's docstring gives it.
     draft = SHAPES["draft"]
     assert [calls_per_jit(draft.op_bytes(tokens, "bfloat16"), most=512) for tokens in
             (1, 64, 256, 1024, 4096, 16384)] == [512, 512, 287, 72, 18, 8]
+
+
+def test_a_call_of_xla_math_counts_the_kernels_xla_compiles_it_into_and_a_custom_call_its_declared_launches():
+    pytest.importorskip("jax")
+    from interop.bench import runner
+    from interop.bench.workload import Workload
+
+    workload = Workload(TINY, 3, "bfloat16", framework="jax", set_count=2)
+    forward = runner.kernels_per_call(BY_NAME["jnp-jit"].prepare(workload))
+    training = runner.kernels_per_call(BY_NAME["jnp-jit-train"].prepare(workload))
+    assert 1 < forward < training  # unfused math, and its backward adds kernels to its forward's
+    effort = dataclasses.replace(ONCE, max_calls_per_jit=512)
+    steps = BY_NAME["jnp-jit-train"].prepare(workload)
+    assert runner.jit_calls(steps, effort, training) == max(8, math.ceil(1e-3 / (training * 1.5e-6)))
+    assert runner.kernels_per_call(dataclasses.replace(steps, kernel_target="kernel", kernel_launches=2)) == 2
+    assert runner.kernels_per_call(dataclasses.replace(steps, calls_bytes=1024)) == 1
+    assert runner.kernels_per_call(dataclasses.replace(steps, fresh_outputs=False)) == 1
 
 
 def test_shapes_are_the_three_of_the_issue():
@@ -768,8 +791,9 @@ def test_a_failing_implementation_is_marked_and_never_timed():
     measurements = run(plan([TINY], [3], implementations), dtype="bfloat16", framework="jax", effort=ONCE)
     by_name = {m.implementation: m for m in measurements}
     assert by_name["jnp-jit"].check == "ok" and by_name["jnp-jit"].seconds is not None
-    # 8 calls (the cap here) of 1.5 us (the floor: 3 tokens move 3 KB) each
-    assert by_name["jnp-jit"].method.startswith("in-jit, 8 calls/jit (~0.012 ms est.)")
+    # 8 calls (the cap here) of 1.5 us (the floor: 3 tokens move 3 KB) for each of their kernels
+    kernels = int(re.match(r"in-jit, 8 calls/jit of (\d+) kernels \(", by_name["jnp-jit"].method).group(1))
+    assert by_name["jnp-jit"].method.endswith(f"(~{8 * kernels * 1.5e-3:.2g} ms est.)")
     assert by_name["off-by-one"].check.startswith("FAIL: k:") and by_name["off-by-one"].seconds is None
     assert by_name["writes-nothing"].check == f"FAIL: {2 * 2 * 3 * 2 * 32} elements unwritten (NaN)"
     assert by_name["writes-nothing"].seconds is None

@@ -23,7 +23,9 @@ Calls per jit: the device must take longer over one jit's calls than the host ta
 dispatch the next jit, or the figure is the host's ("host-bound" in the method column,
 an upper bound). So a jit holds about :data:`JIT_DEVICE_SECONDS` of device work: a call
 is estimated at its bytes over :data:`ESTIMATED_BYTES_PER_SECOND`, and at least
-:data:`CALL_FLOOR_SECONDS`, and a jit holds that work over the estimate in calls,
+:data:`CALL_FLOOR_SECONDS` for each kernel it launches (:func:`kernels_per_call`: XLA's
+unfused math is many kernels a call, each as short as a launch allows), and a jit holds
+that work over the estimate in calls,
 between :data:`MIN_CALLS_PER_JIT` and ``Effort.max_calls_per_jit`` (512, or
 ``--max-calls-per-jit``); the method column gives the calls and the device time they
 were estimated at. The calls are unrolled: a loop (``lax.scan``) would hand the kernel
@@ -83,15 +85,16 @@ def plan(shapes: list[BenchShape], tokens: list[int],
             if implementation.clock == "device" or total_ctx <= DECODE_TOKENS]
 
 
-def estimated_call_seconds(bytes_moved: int) -> float:
+def estimated_call_seconds(bytes_moved: int, kernels: int = 1) -> float:
     """A call's device time as :func:`calls_per_jit` estimates it (module docstring)."""
-    return max(CALL_FLOOR_SECONDS, bytes_moved / ESTIMATED_BYTES_PER_SECOND)
+    return max(kernels * CALL_FLOOR_SECONDS, bytes_moved / ESTIMATED_BYTES_PER_SECOND)
 
 
-def calls_per_jit(bytes_moved: int, *, most: int) -> int:
-    """Calls of ``bytes_moved`` each in one jit: about :data:`JIT_DEVICE_SECONDS` of device
-    work by :func:`estimated_call_seconds`, at least :data:`MIN_CALLS_PER_JIT`, at most ``most``."""
-    wanted = math.ceil(JIT_DEVICE_SECONDS / estimated_call_seconds(bytes_moved))
+def calls_per_jit(bytes_moved: int, *, most: int, kernels: int = 1) -> int:
+    """Calls of ``bytes_moved`` and ``kernels`` launches each in one jit: about
+    :data:`JIT_DEVICE_SECONDS` of device work by :func:`estimated_call_seconds`, at least
+    :data:`MIN_CALLS_PER_JIT`, at most ``most``."""
+    wanted = math.ceil(JIT_DEVICE_SECONDS / estimated_call_seconds(bytes_moved, kernels))
     return min(most, max(MIN_CALLS_PER_JIT, wanted))
 
 
@@ -122,10 +125,26 @@ def _launches(run, arguments, target: str) -> int:
     return len(re.findall(f'custom_call_target="(?:{target})"', run.lower(*arguments).compile().as_text()))
 
 
-def jit_calls(prepared: Steps, effort: Effort) -> int:
+def kernels_per_call(prepared: Steps) -> int:
+    """The kernels a call of ``prepared`` launches: its custom calls' ``kernel_launches``; for
+    XLA's own computations (fresh outputs), the fusions and custom calls of a jit of one call
+    as XLA compiles it; else one. Rows sized by ``calls_bytes`` to match another count one,
+    as that other row does."""
+    if prepared.kernel_target is not None:
+        return prepared.kernel_launches
+    if not prepared.fresh_outputs or prepared.calls_bytes is not None:
+        return 1
+    run = chained_calls(prepared.step, 1, len(prepared.varying), fresh_outputs=True,
+                        shift_inputs=prepared.shift_inputs)
+    compiled = run.lower(prepared.fixed, prepared.varying, prepared.new_outputs(), _zeros(1)).compile()
+    return max(1, len(re.findall(r"\b(?:fusion|custom-call)\(", compiled.as_text())))
+
+
+def jit_calls(prepared: Steps, effort: Effort, kernels: int = 1) -> int:
     """The calls one jit of ``prepared`` holds: :func:`calls_per_jit` of its ``calls_bytes``
-    (or, where not given, the bytes it moves)."""
-    return calls_per_jit(prepared.calls_bytes or prepared.bytes_moved, most=effort.max_calls_per_jit)
+    (or, where not given, the bytes it moves) and ``kernels`` launches a call."""
+    return calls_per_jit(prepared.calls_bytes or prepared.bytes_moved, most=effort.max_calls_per_jit,
+                         kernels=kernels)
 
 
 # A row's timer: one timing, (seconds per call, whether the host set the pace).
@@ -135,13 +154,15 @@ Timer = Callable[[], tuple]
 def _ready_in_jit(prepared: Steps, effort: Effort) -> tuple[dict, Timer | None]:
     """The check of a JAX step, and its in-jit timer (None where the check failed)."""
     sets = len(prepared.varying)
-    calls = jit_calls(prepared, effort)
-    estimate = calls * estimated_call_seconds(prepared.calls_bytes or prepared.bytes_moved)
+    kernels = kernels_per_call(prepared)
+    calls = jit_calls(prepared, effort, kernels)
+    estimate = calls * estimated_call_seconds(prepared.calls_bytes or prepared.bytes_moved, kernels)
     run = chained_calls(prepared.step, calls, sets, fresh_outputs=prepared.fresh_outputs,
                         opaque_step=prepared.kernel_target is not None, shift_inputs=prepared.shift_inputs)
     arguments = (prepared.fixed, prepared.varying, prepared.new_outputs(), _zeros(calls))
     found = dict(bytes_moved=prepared.bytes_moved, input_sets=sets,
-                 method=f"in-jit, {calls} calls/jit (~{estimate * 1e3:.2g} ms est.)")
+                 method=f"in-jit, {calls} calls/jit{f' of {kernels} kernels' if kernels > 1 else ''} "
+                        f"(~{estimate * 1e3:.2g} ms est.)")
     if prepared.kernel_target is not None:
         launches = _launches(run, arguments, prepared.kernel_target)
         if launches != calls * prepared.kernel_launches:
