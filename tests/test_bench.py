@@ -1022,7 +1022,8 @@ def test_the_jax_gemm_row_runs_its_materializers_projection_fed_and_sized_alike(
         row = BY_NAME[name].prepare(workload)
         assert [v[0] for v in row.varying] == [v[0] for v in gemm.varying]  # the same ctx_hidden arrays
         assert row.fixed is gemm.fixed  # the same materializer, so the same weights
-        assert runner.jit_calls(row, effort) == runner.jit_calls(gemm, effort)
+        assert runner.jit_calls(row, effort, runner.kernels_per_call(row)) == runner.jit_calls(
+            gemm, effort, runner.kernels_per_call(gemm))
         assert row.shift_inputs is gemm.shift_inputs is True  # hidden + the chain's zero, in both
         dots = _dot_generals(jax.make_jaxpr(row.step)(row.fixed, row.varying[0], row.new_outputs()).jaxpr)
         assert dots == gemm_dots, name

@@ -144,7 +144,7 @@ def kernels_per_call(prepared: Steps) -> int:
     return max(1, len(re.findall(r"\b(?:fusion|custom-call)\(", compiled.as_text())))
 
 
-def jit_calls(prepared: Steps, effort: Effort, kernels: int = 1) -> int:
+def jit_calls(prepared: Steps, effort: Effort, kernels: int) -> int:
     """The calls one jit of ``prepared`` holds: :func:`calls_per_jit` of its ``calls_bytes``
     (or, where not given, the bytes it moves) and ``kernels`` launches a call."""
     return calls_per_jit(prepared.calls_bytes or prepared.bytes_moved, most=effort.max_calls_per_jit,
