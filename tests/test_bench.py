@@ -373,7 +373,7 @@ def test_importing_the_bench_imports_no_framework_nor_plotting_library():
 def test_selection_adds_what_each_row_is_read_against_and_skips_frameworks_without_a_gpu():
     runnable, skipped = select(["kernel"], {"torch": "gpu"})
     assert [i.name for i in runnable] == ["triton", "torch-copy"]
-    assert [i.name for i in skipped] == ["pallas", "pallas-mosaic"]
+    assert [i.name for i in skipped] == ["pallas", "pallas-mosaic", "pallas-pdl"]
     runnable, skipped = select(["interop"], {"torch": "gpu", "jax": "gpu"})
     assert [i.name for i in runnable] == ["interop-torch", "interop-jax", "interop-jax-to-torch",
                                           "interop-torch-to-jax", "triton-launch"]
@@ -1403,12 +1403,12 @@ def test_a_dry_run_of_the_grid_lists_each_configurations_rows_and_the_sizes_left
     argv = ["--shape", "grid", "--configs", ",".join(map(str, numbers)), "--dry-run"]
     assert run_bench_command(_parser().parse_args(argv)) == 0
     lines = capsys.readouterr().out.splitlines()
-    # Five rows at each of seven sizes (the three kernels, two copies), but one size of the large one.
-    assert lines[0] == ("fusedkv bench --shape grid would run 65 rows (triton, pallas, pallas-mosaic, torch-copy, "
-                        "xla-copy) at tokens 1,16,64,256,1024,4096,32768:")
-    assert lines[1] == (f"  {small.name} ({small.description}, {small.dtype}): 35 rows at tokens "
+    # Six rows at each of seven sizes (the four kernels, two copies), but one size of the large one.
+    assert lines[0] == ("fusedkv bench --shape grid would run 78 rows (triton, pallas, pallas-mosaic, pallas-pdl, "
+                        "torch-copy, xla-copy) at tokens 1,16,64,256,1024,4096,32768:")
+    assert lines[1] == (f"  {small.name} ({small.description}, {small.dtype}): 42 rows at tokens "
                         "1,16,64,256,1024,4096,32768")
-    assert lines[2] == f"  {large.name} ({large.description}, {large.dtype}): 30 rows at tokens 1,16,64,256,1024,4096"
+    assert lines[2] == f"  {large.name} ({large.description}, {large.dtype}): 36 rows at tokens 1,16,64,256,1024,4096"
     assert lines[3].startswith(f"skipped {large.name} at 32768 tokens (") and len(lines) == 4
 
 
@@ -1442,7 +1442,8 @@ def _grid_rows():
     rows += [row(fit, "triton", 4096, 25 / 0.95, 10**8), row(fit, "pallas", 4096, 25 / 0.92, 10**8),
              row(fit, "triton", 16, 1.10, 10**6), row(fit, "pallas", 16, 1.21, 10**6),  # 1.10x, then 1.10x Triton
              row(held_out, "triton", 4096, 31.25, 10**8), row(held_out, "pallas", 4096, 25 / 0.95, 10**8),
-             row(held_out, "triton", 16, 1.50, 10**6), row(held_out, "pallas", 16, 1.80, 10**6)]
+             row(held_out, "triton", 16, 1.50, 10**6), row(held_out, "pallas", 16, 1.80, 10**6),
+             row(held_out, "pallas-pdl", 16, 1.95, 10**6)]  # 1.30x Triton
     # A graph-replayed copy of 1 GB at 2500 GB/s, slower than the 100 MB copies' 4000: Triton's
     # 3000 GB/s is 120% of it but 75% of the faster copy of fewer bytes. Pallas failed its check.
     rows += [row(fit_large, "torch-copy", 32768, 400.0, 10**9), row(fit_large, "triton", 32768, 1e3 / 3, 10**9),
@@ -1468,7 +1469,11 @@ def test_the_grid_bars_are_judged_per_half_from_the_measured_rows():
     assert verdicts["3", "Triton", "both"] == (f"1.50x at {held_out}, 16 tokens", "missed by 0.35x")
     assert verdicts["3", "Pallas's", "fit"] == (f"1.10x at {fit}, 16 tokens", "held")
     assert verdicts["3", "Pallas's", "both"] == (f"1.20x at {held_out}, 16 tokens", "held")
-    assert len(verdicts) == 4 * 3
+    # Bars of a row the run did not measure say so, in each half.
+    assert verdicts["2", "With", "held-out"] == ("-", "not measured")
+    assert verdicts["3", "With", "fit"] == ("-", "not measured")
+    assert verdicts["3", "With", "held-out"] == (f"1.30x at {held_out}, 16 tokens", "missed by 0.05x")
+    assert len(verdicts) == 6 * 3
 
 
 def test_the_grid_summary_gives_the_worst_and_median_of_copy_per_bucket_and_half():
@@ -1483,10 +1488,14 @@ def test_the_grid_summary_gives_the_worst_and_median_of_copy_per_bucket_and_half
     table = {(line[0], line[2]): line for line in grid.configuration_lines(grid.cells(rows))}
     assert table["configuration", "tokens"] == (
         "configuration", "half", "tokens", "MB", "copy GB/s", "torch-copy us", "triton us", "pallas us",
-        "triton of copy", "pallas of copy", "triton x torch-copy", "pallas x triton")
-    assert table[fit, "16"][3:] == ("1", "1000", "1.00", "1.10", "1.21", "91%", "83%", "1.10x", "1.10x")
+        "pallas-pdl us", "triton of copy", "pallas of copy", "pallas-pdl of copy", "triton x torch-copy",
+        "pallas x triton", "pallas-pdl x triton")
+    assert table[fit, "16"][3:] == ("1", "1000", "1.00", "1.10", "1.21", "-", "91%", "83%", "-", "1.10x", "1.10x",
+                                    "-")
+    assert table[held_out, "16"][8:] == ("1.95", "67%", "56%", "51%", "1.50x", "1.20x", "1.30x")
     # Read against the faster copy of fewer bytes, marked; the failed row has no time.
-    assert table[fit_large, "32768"][3:] == ("1000", "4000*", "400.00", "333.33", "-", "75%", "-", "0.83x", "-")
+    assert table[fit_large, "32768"][3:] == ("1000", "4000*", "400.00", "333.33", "-", "-", "75%", "-", "-",
+                                             "0.83x", "-", "-")
 
 
 def test_where_jax_alone_sees_a_device_a_grid_run_writes_the_grids_tables_and_heatmap(tmp_path, capsys,

@@ -491,6 +491,37 @@ def test_gpu_tile_overrides_agree(block_tokens, block_heads, num_warps):
     _assert_matches_reference(k, v, host, DRAFT)
 
 
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("config, total_ctx", [(DRAFT, 16), (DRAFT, 4096), (FusedKVConfig(8, 96, 64, "gptj"), 1000)])
+def test_in_a_jit_with_xla_pdl_each_call_reads_the_kv_written_just_before_it_and_is_read_just_after(config,
+                                                                                                   total_ctx):
+    # XLA's programmatic dependent launch starts a kernel while the one before it runs. Each
+    # call's kv is a fusion's output, scaled from the last call's kv (by -2 or -1/2: exact)
+    # once that call has written V, and a fusion reads each call's V.
+    host = _inputs(config, n_layers=5, total_ctx=total_ctx, max_position=4096, seed=total_ctx + 7)
+    factors = [-2.0, -0.5] * 4
+
+    def run(kv, *rest):
+        outputs, v = [], None
+        for factor in factors:
+            if v is not None:
+                kv, v = jax.lax.optimization_barrier((kv, v))
+            kv = kv * jnp.asarray(factor, kv.dtype)
+            k, v = fused_kv_norm_rope(kv, *rest, **_static(config))
+            outputs.append((k, v, v.astype(jnp.float32) * 2))
+        return outputs
+
+    outputs = jax.jit(run, compiler_options={"xla_gpu_enable_pdl": True})(*(jax.device_put(a) for a in host))
+    kv = host[0]
+    for factor, (k, v, doubled) in zip(factors, outputs):
+        kv = kv * np.asarray(factor, kv.dtype)
+        _assert_matches_reference(k, v, (kv, *host[1:]), config)
+        np.testing.assert_array_equal(np.asarray(doubled), np.asarray(v, np.float32) * 2)
+
+
 @pytest.mark.parametrize("total_ctx, n_layers, config, tile", [
     # K as rows (gptj, or a partial neox rotary): at most 4 heads a tile, whatever head_dim,
     # the threads then as for any tile (looped programs of gptj rows on 2 warps).

@@ -37,8 +37,9 @@ from interop.bench.shapes import (
 
 DESCRIPTION = """\
 Time every implementation of the fused KV op on this GPU, in one process: the Triton
-kernel (torch) and the Pallas kernel (jax) on its Triton lowering (pallas) and on Mosaic
-GPU (pallas-mosaic: n/a where Mosaic GPU has no kernel); the Pallas kernel's data
+kernel (torch) and the Pallas kernel (jax) on its Triton lowering (pallas; pallas-pdl in
+a jit compiled with XLA's programmatic dependent launch) and on Mosaic GPU
+(pallas-mosaic: n/a where Mosaic GPU has no kernel); the Pallas kernel's data
 movement alone (its floors); the reference math in eager PyTorch, under torch.compile
 and as jnp under jax.jit (the baselines); a device copy of the same bytes in each
 framework; both materializers (each one's GEMM call alone, end to end, into a paged

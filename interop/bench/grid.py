@@ -118,6 +118,9 @@ BARS = (
         over="torch-copy"),
     Bar(3, "Pallas's time per call in jit at most 1.25x Triton's under graph replay", "pallas", DECODE, 1.25,
         over="triton"),
+    Bar(2, "With XLA's PDL, Pallas in jit at 90% of copy or more", "pallas-pdl", LARGE, 0.90),
+    Bar(3, "With XLA's PDL, Pallas's time per call in jit at most 1.25x Triton's under graph replay", "pallas-pdl",
+        DECODE, 1.25, over="triton"),
 )
 
 

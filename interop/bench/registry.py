@@ -3,7 +3,9 @@
 Kinds:
 
 * ``kernel``: ours, the Triton kernel (torch) and the Pallas kernel (jax) on each of its
-  lowerings: ``pallas`` on Triton (the default), ``pallas-mosaic`` on Mosaic GPU;
+  lowerings: ``pallas`` on Triton (the default), ``pallas-mosaic`` on Mosaic GPU; and
+  ``pallas-pdl``, ``pallas`` in a jit compiled with XLA's programmatic dependent launch
+  (``xla_gpu_enable_pdl``), which lets a kernel's launch overlap the end of the one before;
 * ``backward``: their backward kernels alone, ``triton-bwd`` and ``pallas-bwd``
   (:mod:`interop.bench.backward`), and a training step's forward and backward of the op
   beside autodiff of the baselines' math, ``triton-train``, ``torch-compile-train``,
@@ -152,6 +154,15 @@ def _triton_launch(workload: Workload, read_arguments: bool = False) -> Calls:
         return op_verdict(*call(0), *workload.op_args(0, "torch"), static=workload.shape.static())
 
     return Calls(call, 1, eager.bytes_moved, check)
+
+
+# The XLA option that launches each kernel of a jit dependent on the one before, as the
+# Triton kernel launches itself (a jit user sets it in XLA_FLAGS or jax.jit's compiler_options).
+XLA_PDL = (("xla_gpu_enable_pdl", True),)
+
+
+def _pallas_pdl(workload: Workload) -> Steps:
+    return dataclasses.replace(pallas_steps(workload, lowering="triton"), compiler_options=XLA_PDL)
 
 
 def _pallas_mosaic(workload: Workload) -> Steps:
@@ -333,6 +344,7 @@ IMPLEMENTATIONS = (
     Implementation("triton", "torch", "kernel", triton_calls),
     Implementation("pallas", "jax", "kernel", functools.partial(pallas_steps, lowering="triton")),
     Implementation("pallas-mosaic", "jax", "kernel", _pallas_mosaic),
+    Implementation("pallas-pdl", "jax", "kernel", _pallas_pdl),
     Implementation("triton-bwd", "torch", "backward", backward.triton_backward, does_op=False),
     Implementation("pallas-bwd", "jax", "backward", backward.pallas_backward, does_op=False),
     Implementation("triton-train", "torch", "backward", _triton_train, does_op=False),

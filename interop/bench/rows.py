@@ -45,7 +45,8 @@ class Steps:
     per call (a forward and its backward: two); ``shift_inputs``:
     :func:`~interop.bench.timers.chained_calls`'s override of its rule (None keeps it);
     ``calls_bytes``: the bytes a call's time is estimated from to size a jit, where not
-    ``bytes_moved`` (rows compared with each other run as many calls a jit).
+    ``bytes_moved`` (rows compared with each other run as many calls a jit);
+    ``compiler_options``: ``(name, value)`` pairs of XLA options the jit is compiled with.
     """
 
     step: Callable
@@ -59,6 +60,7 @@ class Steps:
     kernel_launches: int = 1
     shift_inputs: bool | None = None
     calls_bytes: int | None = None
+    compiler_options: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)

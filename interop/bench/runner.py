@@ -137,7 +137,7 @@ def kernels_per_call(prepared: Steps) -> int:
     import jax
 
     run = chained_calls(prepared.step, 1, len(prepared.varying), fresh_outputs=True,
-                        shift_inputs=prepared.shift_inputs)
+                        shift_inputs=prepared.shift_inputs, compiler_options=prepared.compiler_options)
     # The outputs' shapes alone: compiling needs no second set of them on the device.
     outputs = jax.eval_shape(prepared.new_outputs)
     compiled = run.lower(prepared.fixed, prepared.varying, outputs, _zeros(1)).compile()
@@ -162,7 +162,8 @@ def _ready_in_jit(prepared: Steps, effort: Effort) -> tuple[dict, Timer | None]:
     calls = jit_calls(prepared, effort, kernels)
     estimate = calls * estimated_call_seconds(prepared.calls_bytes or prepared.bytes_moved, kernels)
     run = chained_calls(prepared.step, calls, sets, fresh_outputs=prepared.fresh_outputs,
-                        opaque_step=prepared.kernel_target is not None, shift_inputs=prepared.shift_inputs)
+                        opaque_step=prepared.kernel_target is not None, shift_inputs=prepared.shift_inputs,
+                        compiler_options=prepared.compiler_options)
     arguments = (prepared.fixed, prepared.varying, prepared.new_outputs(), _zeros(calls))
     found = dict(bytes_moved=prepared.bytes_moved, input_sets=sets,
                  method=f"in-jit, {calls} calls/jit{f' of {kernels} kernels' if kernels > 1 else ''} "

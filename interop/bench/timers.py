@@ -134,7 +134,7 @@ def gpu_kernel_events(trace_dir: str, device: int | None = None) -> list[tuple[i
 
 
 def chained_calls(step: Callable, calls: int, sets: int, *, fresh_outputs: bool = False,
-                  opaque_step: bool = False, shift_inputs: bool | None = None):
+                  opaque_step: bool = False, shift_inputs: bool | None = None, compiler_options: tuple = ()):
     """One jit of ``calls`` calls of ``step``, call ``j`` on input set ``j % sets``.
 
     ``step(fixed, varying, outputs) -> outputs``; the jit is ``run(fixed, varying_sets,
@@ -159,6 +159,7 @@ def chained_calls(step: Callable, calls: int, sets: int, *, fresh_outputs: bool 
 
     ``shift_inputs`` overrides that rule (None keeps it): rows compared with each other
     (a materializer and its GEMM alone) feed their inputs the same way whatever their outputs.
+    ``compiler_options``: ``(name, value)`` pairs of XLA options to compile the jit with.
     """
     import jax
     import jax.numpy as jnp
@@ -182,7 +183,7 @@ def chained_calls(step: Callable, calls: int, sets: int, *, fresh_outputs: bool 
             outputs = step(fixed, varying, outputs)
         return outputs, earlier
 
-    return jax.jit(run, donate_argnums=2)
+    return jax.jit(run, donate_argnums=2, compiler_options=dict(compiler_options) or None)
 
 
 # PJRT blocks a dispatch while 32 computations are in flight on a GPU; below that, queueing
