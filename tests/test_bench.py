@@ -220,6 +220,7 @@ def test_the_markdown_report_gives_the_command_devices_packages_ceiling_and_ever
     assert lines[:5] == ["# fusedkv bench", "", "```sh", meta["command"], "```"]
     assert "- Devices: torch: Test GPU; jax: Test GPU" in lines
     assert "- Packages: python 3.12.0, torch 2.11.0, jax 0.11.2" in lines
+    assert not any(line.startswith("- XLA_FLAGS") for line in lines)  # none were set
     assert "- Device copy ceiling: 5000 GB/s, torch-copy at 16 tokens (draft, bfloat16)" in lines
     assert "## draft: 5 layers, bfloat16" in lines
     titles = [line for line in lines if line.startswith("### ")]
@@ -329,6 +330,7 @@ def test_where_jax_alone_sees_a_device_the_command_runs_its_rows_and_writes_its_
     # The CPU stands in for the GPU: the whole path but the kernels' real timing, and few
     # calls a jit (compiling 512 calls of jnp takes a minute here).
     monkeypatch.setattr(command, "gpu_frameworks", lambda: ({"jax": "stand-in"}, ["torch sees no CUDA device"]))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_pdl=true")  # a GPU option: recorded, no change here
     markdown = tmp_path / "tables.md"
     argv = ["--tokens", "4", "--only", "jnp-jit,jnp-jit-host,triton", "--quick", "--max-calls-per-jit", "8",
             "--out", str(tmp_path / "out"), "--markdown", str(markdown)]
@@ -351,6 +353,8 @@ def test_where_jax_alone_sees_a_device_the_command_runs_its_rows_and_writes_its_
                for r in records[:2])
     document = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert document["meta"]["max_calls_per_jit"] == 8
+    assert document["meta"]["xla_flags"] == "--xla_gpu_enable_pdl=true"
+    assert "- XLA_FLAGS: `--xla_gpu_enable_pdl=true`" in markdown.read_text().splitlines()
     assert {p.name for p in (tmp_path / "out").iterdir()} == {
         "bench.csv", "bench.json", "kernels-draft-bfloat16.png", "latency-draft-bfloat16.png",
         "baselines-draft-bfloat16.png"}

@@ -15,6 +15,7 @@ import datetime
 import importlib.metadata
 import importlib.util
 import logging
+import os
 import pathlib
 import platform
 import shlex
@@ -414,7 +415,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 devices=found, versions=_versions(), shapes=[s.name for s in shapes], dtype=args.dtype,
                 tokens=token_counts(args), quick=args.quick, rounds=args.rounds,
-                max_calls_per_jit=effort.max_calls_per_jit, implementations=[i.name for i in implementations])
+                max_calls_per_jit=effort.max_calls_per_jit, implementations=[i.name for i in implementations],
+                xla_flags=os.environ.get("XLA_FLAGS", ""))
     if args.shape == "grid":
         meta["grid"] = _grid_meta(shapes, meta["tokens"], args.dtype)
     what = (f"{len(shapes)} grid configurations, each in its own dtype" if args.shape == "grid"

@@ -327,7 +327,10 @@ def markdown_report(rows: list[Annotated], meta: dict, descriptions: dict[str, s
     parts = ["# fusedkv bench", "", "```sh", meta["command"], "```", ""]
     if meta.get("parts"):  # a report of earlier runs' rows: the commands that measured them
         parts += ["Rows of:", "", "```sh", *meta["parts"], "```", ""]
-    parts += [f"- Devices: {devices}", f"- Packages: {packages}", f"- Device copy ceiling: {ceiling}", "", METHOD]
+    parts += [f"- Devices: {devices}", f"- Packages: {packages}"]
+    if meta.get("xla_flags"):  # they change how XLA compiles every JAX row
+        parts.append(f"- XLA_FLAGS: `{meta['xla_flags']}`")
+    parts += [f"- Device copy ceiling: {ceiling}", "", METHOD]
     if grid:
         parts.append(grid)
     for (shape, dtype), group in groups(rows).items():
