@@ -746,6 +746,28 @@ def test_the_mosaic_row_checks_and_times_the_kernel_where_mosaic_takes_the_shape
     assert measurement.input_sets == 2
 
 
+def test_the_pdl_row_is_the_pallas_row_in_a_jit_compiled_with_xla_pdl(monkeypatch):
+    jax = pytest.importorskip("jax")
+    from interop.bench.runner import measure
+    from interop.bench.workload import Workload
+
+    compiled_with = []
+    jit = jax.jit
+
+    def recording_jit(function, **options):
+        if function.__qualname__.startswith("chained_calls."):  # a row's jit, not the kernel's own
+            compiled_with.append(options.get("compiler_options"))
+        return jit(function, **options)
+
+    monkeypatch.setattr(jax, "jit", recording_jit)
+    workload = Workload(TINY, 3, "bfloat16", framework="jax", set_count=2)
+    measurements = [measure(BY_NAME[name], workload, dataclasses.replace(ONCE, max_calls_per_jit=2), shape=TINY,
+                            total_ctx=3, dtype="bfloat16") for name in ("pallas", "pallas-pdl")]
+    assert [m.check for m in measurements] == ["ok", "ok"]
+    assert all(m.seconds is not None and m.method.startswith("in-jit, 2 calls/jit") for m in measurements)
+    assert compiled_with == [None, {"xla_gpu_enable_pdl": True}]
+
+
 @pytest.mark.parametrize("shape, tokens, dtype, reason", [
     (TINY, 64, "bfloat16", "no Mosaic GPU kernel for bfloat16 neox, head_dim 32, rotary 16"),
     (MOSAIC_TINY, 64, "float32", "no Mosaic GPU kernel for float32 neox, head_dim 32, rotary 32"),
