@@ -249,9 +249,26 @@ def test_info_says_when_jax_sees_no_gpu_while_torch_does(monkeypatch, capsys, to
 ])
 def test_info_says_nothing_of_jax_gpus_when_the_frameworks_agree_or_torch_has_no_cuda(monkeypatch, capsys, torch_gpu,
                                                                                       jax_backend, torch_cuda):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_pdl=true")  # no note of it either
     out = _info_with(monkeypatch, capsys, torch_gpu=torch_gpu, jax_backend=jax_backend, torch_cuda=torch_cuda)
     assert "jax sees no GPU" not in out
     assert out.splitlines()[-1].startswith("fusedkv check: inputs as ")
+
+
+@pytest.mark.parametrize("xla_flags", [None, "--xla_force_host_platform_device_count=4"])
+def test_info_names_xlas_dependent_launch_where_jax_has_a_gpu_and_xla_flags_leave_it_off(monkeypatch, capsys,
+                                                                                        xla_flags):
+    if xla_flags is None:
+        monkeypatch.delenv("XLA_FLAGS", raising=False)
+    else:
+        monkeypatch.setenv("XLA_FLAGS", xla_flags)
+    out = _info_with(monkeypatch, capsys, torch_gpu=True, jax_backend="gpu", torch_cuda="13.0")
+    assert out.splitlines()[-1] == (
+        "note: XLA launches a jit's kernels one after another: compile the jit with "
+        "compiler_options={'xla_gpu_enable_pdl': True} (or set XLA_FLAGS=--xla_gpu_enable_pdl=true) "
+        "to let each start as the one before ends")
+    out = _info_with(monkeypatch, capsys, torch_gpu=True, jax_backend="cpu", torch_cuda=None)
+    assert "xla_gpu_enable_pdl" not in out
 
 
 def test_run_check_hands_over_each_row_before_the_next_backend_runs():

@@ -274,6 +274,15 @@ def _info() -> int:
             cuda = "cuda12" if torch.version.cuda.startswith("12.") else "cuda13"
             lines.append(f"note: jax sees no GPU while torch does: install jax[{cuda}] "
                          f"(pip install 'fusedkv[jax-{cuda}]') for the compiled Pallas kernel")
+    # XLA launches a jit's kernels without programmatic dependent launch unless told, which
+    # decode-size calls of the Pallas kernel feel most (README, On the GPU).
+    if registry.backend_installed("jax"):
+        import jax
+
+        if jax.default_backend() == "gpu" and "xla_gpu_enable_pdl" not in os.environ.get("XLA_FLAGS", ""):
+            lines.append("note: XLA launches a jit's kernels one after another: compile the jit with "
+                         "compiler_options={'xla_gpu_enable_pdl': True} (or set "
+                         "XLA_FLAGS=--xla_gpu_enable_pdl=true) to let each start as the one before ends")
     print("\n".join(lines))
     return 0
 
