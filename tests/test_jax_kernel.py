@@ -491,7 +491,6 @@ def test_gpu_tile_overrides_agree(block_tokens, block_heads, num_warps):
     _assert_matches_reference(k, v, host, DRAFT)
 
 
-
 @pytest.mark.gpu
 @gpu
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
