@@ -45,7 +45,9 @@ registers. ``gptj``'s interleaved pairs are no run of columns: its K rows are lo
 and split into their pairs in registers. ``neox`` halves beside an unrotated tail are runs
 too narrow for wide loads: such K rows are loaded whole and again at permuted columns (an
 L1-resident second load) for the partners (:func:`loads_k_rows`). By default a block
-holds every head, but at most four where K is loaded as rows (:func:`tile_heads`).
+holds every head, but at most four where K is loaded as rows (:func:`tile_heads`), and
+fewer in calls too short to give every multiprocessor two programs of one token each
+where a tile of one token would hold more than 2 KiB of K.
 """
 
 from __future__ import annotations
@@ -102,6 +104,11 @@ _LAYER_LOOP_WIDE_HALF = 128
 # shape grid's fit half (head_dim 80-256, 16-32 heads), four ran as fast as every head or
 # faster, fewer ran slower; one-layer calls at the longest contexts lose a little (BENCHMARKS.md).
 _K_ROWS_TILE_HEADS = 4
+# A short call's tiles of one token that hold more bytes of K than this are split over
+# their heads while the GPU has fewer than two programs a multiprocessor: a larger tile
+# takes its threads several rounds of loads, which split they issue side by side. At
+# this size (the draft shape's 8 heads of 128 bf16) more, smaller programs ran slower.
+_SPLIT_TILE_BYTES = 2048
 # Layers whose loads a looping program has issued before it stores one: more in flight
 # cost registers and lose.
 LAYERS_IN_FLIGHT = 2
@@ -512,11 +519,14 @@ def tile_heads(num_kv_heads: int, *, k_rows: bool, interpret: bool = False) -> i
 def default_tile(total_ctx: int, n_layers: int, num_kv_heads: int, head_dim: int, *,
                  rotary_dim: int | None = None, rope_style: str = "neox",
                  block_tokens: int | None = None, block_heads: int | None = None,
-                 num_warps: int | None = None, interpret: bool = False) -> tuple[int, int, int]:
+                 num_warps: int | None = None, itemsize: int = 4,
+                 interpret: bool = False) -> tuple[int, int, int]:
     """``(block_tokens, block_heads, num_warps)`` for a call of this size: the overrides
     given, the rest chosen (``interpret``: few, large programs). ``n_layers`` counts in
-    the number of programs, which sets how many tokens a tile takes (:func:`loops_over_layers`
-    says whether a program takes one layer or all); ``rotary_dim`` (``head_dim`` when
+    the number of programs, which sets how many tokens a tile takes and, in calls too
+    short for tiles of one token to fill the GPU, how many heads where a tile would hold
+    more than ``_SPLIT_TILE_BYTES`` of K (``itemsize``: the bytes of an element of ``kv``)
+    (:func:`loops_over_layers` says whether a program takes one layer or all); ``rotary_dim`` (``head_dim`` when
     None) and ``rope_style`` set the width of the loads, which sets the threads."""
     block_tokens, block_heads, num_warps = (
         None if value is None else tile_argument(name, value)
@@ -525,7 +535,8 @@ def default_tile(total_ctx: int, n_layers: int, num_kv_heads: int, head_dim: int
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
     block_dim = pl.next_power_of_2(head_dim)
     k_rows = loads_k_rows(FusedKVConfig(num_kv_heads, head_dim, rotary_dim, rope_style))
-    if block_heads is None:
+    heads_chosen = block_heads is None
+    if heads_chosen:
         block_heads = tile_heads(num_kv_heads, k_rows=k_rows, interpret=interpret)
     layer_loop = loops_over_layers(total_ctx, n_layers, num_kv_heads, head_dim, interpret=interpret)
     layer_blocks = 1 if layer_loop else n_layers
@@ -541,6 +552,9 @@ def default_tile(total_ctx: int, n_layers: int, num_kv_heads: int, head_dim: int
         block_tokens = max(1, tile_elements // (block_heads * block_dim))
         while block_tokens > 1 and programs(block_tokens) < enough_programs:
             block_tokens //= 2
+    if heads_chosen and block_tokens == 1 and block_heads * block_dim * itemsize > _SPLIT_TILE_BYTES:
+        while block_heads > 1 and programs(block_tokens) < enough_programs:
+            block_heads //= 2
     if num_warps is None:
         run = pl.next_power_of_2(head_dim if k_rows else rotary_dim // 2)
         run_elements_per_thread = _RUN_ELEMENTS_PER_THREAD[rope_style]
@@ -806,7 +820,7 @@ def _launch_options(call: CallShape, kv, block_tokens, block_heads, num_warps, i
     block_tokens, block_heads, num_warps = default_tile(
         call.total_ctx, call.n_layers, config.num_kv_heads, config.head_dim, rotary_dim=config.rotary_dim,
         rope_style=config.rope_style, block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps,
-        interpret=interpret)
+        itemsize=kv.dtype.itemsize, interpret=interpret)
     return dict(config=config, block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps,
                 layer_loop=loops_over_layers(call.total_ctx, call.n_layers, config.num_kv_heads, config.head_dim,
                                              interpret=interpret),

@@ -521,11 +521,42 @@ def test_in_a_jit_with_xla_pdl_each_call_reads_the_kv_written_just_before_it_and
         np.testing.assert_array_equal(np.asarray(doubled), np.asarray(v, np.float32) * 2)
 
 
+@pytest.mark.parametrize("total_ctx, n_layers, config, itemsize, tile", [
+    # A GPU of 132 multiprocessors wants 264 programs: one token of 32 heads of 256 bf16
+    # in 3 layers (16 KiB of K a tile) gives 96 with one head a tile, 16 tokens 384 with four.
+    (1, 3, FusedKVConfig(32, 256, 256, "neox"), 2, (1, 1, 2)),
+    (16, 3, FusedKVConfig(32, 256, 256, "neox"), 2, (1, 4, 2)),
+    (1, 8, FusedKVConfig(16, 128, 128, "neox"), 2, (1, 1, 1)),
+    (1, 3, FusedKVConfig(16, 256, 128, "neox"), 4, (1, 1, 4)),  # K as rows: four heads of fp32, 4 KiB
+    (16, 3, FusedKVConfig(16, 256, 128, "neox"), 4, (1, 2, 2)),
+    (1, 3, FusedKVConfig(5, 128, 128, "neox"), 4, (1, 1, 1)),
+    (1, 5, DRAFT, 4, (1, 1, 1)),
+    # 2 KiB of K a tile or less: every head (or four, as rows), however few the programs.
+    (1, 5, DRAFT, 2, (1, 8, 8)),
+    (16, 5, DRAFT, 2, (1, 8, 8)),
+    (1, 5, FusedKVConfig(16, 192, 192, "gptj"), 2, (1, 4, 4)),
+    (64, 5, DRAFT, 4, (1, 8, 2)),  # 320 programs of one token and every head: enough
+])
+def test_short_calls_split_tiles_of_more_than_2_kib_of_k_over_their_heads_until_the_gpu_is_filled(
+        monkeypatch, total_ctx, n_layers, config, itemsize, tile):
+    monkeypatch.setattr(jax_kernel, "_multiprocessors", lambda: 132)  # an H200's
+    shape = (total_ctx, n_layers, config.num_kv_heads, config.head_dim)
+    options = dict(rotary_dim=config.rotary_dim, rope_style=config.rope_style, itemsize=itemsize)
+    assert jax_kernel.default_tile(*shape, **options) == tile
+    block_tokens, block_heads, _ = tile
+    programs = -(-total_ctx // block_tokens) * n_layers * -(-config.num_kv_heads // block_heads)
+    tile_bytes = block_heads * (1 << (config.head_dim - 1).bit_length()) * itemsize
+    assert programs >= 2 * 132 or block_heads == 1 or tile_bytes <= 2048
+    # A caller's heads are kept, and the interpreter still takes every head.
+    assert jax_kernel.default_tile(*shape, **options, block_heads=8)[1] == 8
+    assert jax_kernel.default_tile(*shape, **options, interpret=True)[1] == 1 << (config.num_kv_heads - 1).bit_length()
+
+
 @pytest.mark.parametrize("total_ctx, n_layers, config, tile", [
     # K as rows (gptj, or a partial neox rotary): at most 4 heads a tile, whatever head_dim,
     # the threads then as for any tile (looped programs of gptj rows on 2 warps).
     (4096, 5, FusedKVConfig(16, 192, 192, "gptj"), (1, 4, 2)),
-    (16, 3, FusedKVConfig(16, 256, 128, "neox"), (1, 4, 8)),
+    (256, 3, FusedKVConfig(16, 256, 128, "neox"), (1, 4, 8)),
     (4096, 3, FusedKVConfig(32, 80, 40, "neox"), (1, 4, 4)),
     (4096, 5, FusedKVConfig(6, 64, 64, "gptj"), (2, 4, 1)),  # 6 heads: tiles of 4 (the second ragged), 2 tokens
     (4096, 5, FusedKVConfig(2, 64, 64, "gptj"), None),  # 2 heads: all of them
@@ -550,6 +581,22 @@ def _triton_calls_lowered_for_a_gpu(call, *args) -> list[str]:
     the Pallas kernel becomes Triton IR on any machine, no GPU needed)."""
     text = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     return [target for target in re.findall(r"custom_call @([\w$.]+)", text) if "triton" in target]
+
+
+@pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("config, kv_dtype, head_blocks", [
+    (FusedKVConfig(32, 256, 256, "neox"), ml_dtypes.bfloat16, 32),
+    (DRAFT, ml_dtypes.bfloat16, 1),  # 2 KiB of K: every head in one program
+    (DRAFT, np.float32, 8),
+], ids=str)
+def test_a_one_token_call_lowered_for_a_gpu_splits_its_heads_by_the_bytes_of_its_kv(monkeypatch, config, kv_dtype,
+                                                                                    head_blocks):
+    monkeypatch.setattr(jax_kernel, "_multiprocessors", lambda: 132)  # the tiles of an H200
+    host = _inputs(config, n_layers=3, total_ctx=1, max_position=64, seed=5)
+    call = functools.partial(fused_kv_norm_rope, **_static(config), interpret=False)
+    text = jax.jit(call).trace(host[0].astype(kv_dtype), *host[1:]).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+)", text) == [
+        ("1", "3", str(head_blocks))]
 
 
 @pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated:DeprecationWarning")

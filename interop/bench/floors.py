@@ -76,7 +76,8 @@ def copy(kv, cos_sin_cache, positions, k_dest, v_dest, *, num_kv_heads: int, hea
     total_ctx, n_layers, _ = kv.shape
     interpret = pallas_kernel.on_cpu(kv)
     block_tokens, block_heads, num_warps = pallas_kernel.default_tile(
-        total_ctx, n_layers, num_kv_heads, head_dim, rotary_dim=rotary_dim, rope_style=rope_style, interpret=interpret)
+        total_ctx, n_layers, num_kv_heads, head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
+        itemsize=kv.dtype.itemsize, interpret=interpret)
     looped = pallas_kernel.loops_over_layers(total_ctx, n_layers, num_kv_heads, head_dim, interpret=interpret)
     block_layers = n_layers if looped else 1
     kernel = functools.partial(copy_kernel, num_kv_heads=num_kv_heads, head_dim=head_dim,
