@@ -657,11 +657,11 @@ def _pallas_launch(kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_de
 
 def on_cpu(kv) -> bool:
     """Whether ``kv`` lives on the CPU; NumPy input and jit tracers have no device of their
-    own, so the default backend decides."""
-    try:
-        return all(device.platform == "cpu" for device in kv.devices())
-    except (AttributeError, jax.errors.ConcretizationTypeError):
+    own, so the default backend decides. A tracer is not asked: the error it raises
+    describes where it came from, which walks the whole program traced so far."""
+    if isinstance(kv, jax.core.Tracer) or not hasattr(kv, "devices"):
         return jax.default_backend() == "cpu"
+    return all(device.platform == "cpu" for device in kv.devices())
 
 
 def _on_default_device(array):

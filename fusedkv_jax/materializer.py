@@ -224,10 +224,11 @@ def _fp8_gemm(config: MaterializerConfig, ctx_hidden) -> bool:
     and sizes such a GEMM takes. Decided before jit, as ``interpret`` is."""
     if not config.fp8_gemm_shapes:
         return False
-    try:
-        devices = ctx_hidden.devices()
-    except (AttributeError, jax.errors.ConcretizationTypeError):
+    # A tracer is not asked: the error it raises walks the whole program traced so far.
+    if isinstance(ctx_hidden, jax.core.Tracer) or not hasattr(ctx_hidden, "devices"):
         devices = jax.devices()[:1]
+    else:
+        devices = ctx_hidden.devices()
     return all(device.platform == "gpu" and _capability(device) >= 8.9 for device in devices)
 
 

@@ -292,3 +292,21 @@ def test_jax_fp8_gemm_differentiates_as_dequantize_then_gemm_as_torch_does(monke
         assert_bit_exact(got, expected)
     kv_fp8 = host(materializer.project(ctx_hidden))  # undifferentiated, still the FP8 formula
     assert not np.array_equal(kv_fp8, projection_reference(case.layers, case.ctx_hidden).astype(kv_fp8.dtype))
+
+
+def test_jax_fp8_weights_in_a_jit_ask_no_tracer_for_its_devices(monkeypatch):
+    # A tracer asked for its devices raises an error whose message walks the whole program
+    # traced so far; in a jit the default backend's device decides instead.
+    jax = pytest.importorskip("jax")
+    import fusedkv_jax
+
+    def asked(self, *args):
+        raise AssertionError("a tracer was asked for its devices")
+
+    monkeypatch.setattr(jax.core.Tracer, "devices", asked)
+    case = _case()
+    materializer = fusedkv_jax.FusedKVMaterializer(list(case.layers))
+    assert materializer.config.fp8_gemm_shapes
+    kv = host(jax.jit(materializer.project)(jax.numpy.asarray(case.ctx_hidden)))
+    assert_close(kv, projection_reference(case.layers, case.ctx_hidden).astype(kv.dtype), name="kv",
+                 tolerance=TOLERANCES["bfloat16"])

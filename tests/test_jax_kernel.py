@@ -521,6 +521,25 @@ def test_in_a_jit_with_xla_pdl_each_call_reads_the_kv_written_just_before_it_and
         np.testing.assert_array_equal(np.asarray(doubled), np.asarray(v, np.float32) * 2)
 
 
+def test_a_traced_call_asks_no_tracer_for_its_devices_or_sharding(monkeypatch):
+    # Either raises an error describing where the tracer came from, built by walking the
+    # whole program traced so far: a jit of many calls would trace in quadratic time.
+    def asked(self, *args):
+        raise AssertionError("a tracer was asked for its devices or sharding")
+
+    monkeypatch.setattr(jax.core.Tracer, "devices", asked)
+    monkeypatch.setattr(jax.core.Tracer, "sharding", property(asked))
+    host = _inputs(DRAFT, n_layers=2, total_ctx=5, max_position=64, seed=9)
+    k, v = jax.jit(functools.partial(fused_kv_norm_rope, **_static(DRAFT)))(*host)
+    _assert_matches_reference(k, v, host, DRAFT)
+    # The cache entry point and the gradient, traced alone.
+    cache = np.zeros((2, 8, DRAFT.num_kv_heads, DRAFT.head_dim), host[0].dtype)
+    slots = np.arange(5, dtype=np.int32)
+    jax.jit(functools.partial(fused_kv_norm_rope_into_cache, **_static(DRAFT))).trace(*host, slots, cache, cache)
+    jax.jit(jax.grad(lambda kv: fused_kv_norm_rope(kv, *host[1:], **_static(DRAFT))[0].astype(jnp.float32).sum())
+            ).trace(host[0])
+
+
 @pytest.mark.parametrize("total_ctx, n_layers, config, itemsize, tile", [
     # A GPU of 132 multiprocessors wants 264 programs: one token of 32 heads of 256 bf16
     # in 3 layers (16 KiB of K a tile) gives 96 with one head a tile, 16 tokens 384 with four.

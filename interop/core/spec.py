@@ -718,6 +718,10 @@ def _signature_reader(kind: type):
     if framework == "numpy":
         return operator.attrgetter("shape", "dtype", "strides")
     if framework == "jax":
+        if any(base.__name__ == "Tracer" for base in kind.__mro__):
+            # Asking a tracer for its sharding raises an error whose message walks the whole
+            # program traced so far: a jit of many calls would trace in quadratic time.
+            return lambda array: (array.shape, array.dtype, None)
         return lambda array: (array.shape, array.dtype, getattr(array, "sharding", None))
     return lambda array: (getattr(array, "shape", None), getattr(array, "dtype", None), device_name(array))
 
