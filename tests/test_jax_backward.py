@@ -82,6 +82,24 @@ def test_jax_gradients_match_the_reference_backward(config, normed, multiplied, 
             assert_grad_close(got[index], expected[index], "float32", name)
 
 
+@pytest.mark.parametrize("config", [FusedKVConfig(4, 16, 16, "neox"), FusedKVConfig(3, 12, 4, "gptj")], ids=str)
+def test_jax_gradients_on_tiles_of_one_token_and_one_head_match_the_reference_backward(config):
+    # The tiles a short call with large tiles takes on a GPU: the weight's and the
+    # multiplier's partial sums then come from one program per head.
+    (kv, weight, eps, cache, positions), grads, multiplier = _inputs(config, seed=11)
+
+    def op(kv, weight, multiplier):
+        return fusedkv_jax.fused_kv_norm_rope(kv, weight, eps, cache, positions, **_static(config),
+                                              v_multiplier=multiplier, block_tokens=1, block_heads=1, num_warps=1)
+
+    _, vjp = jax.vjp(op, jnp.asarray(kv), jnp.asarray(weight), jnp.asarray(multiplier))
+    got = vjp(tuple(jnp.asarray(g) for g in grads))
+    expected = fused_kv_norm_rope_backward_reference(kv, weight, eps, cache, positions, *grads, **_static(config),
+                                                     v_multiplier=multiplier)
+    for name, index in (("grad_kv", 0), ("grad_k_norm_weight", 1), ("grad_v_multiplier", 2)):
+        assert_grad_close(got[index], expected[index], "float32", name)
+
+
 @pytest.mark.parametrize("kind", ["position outside the table", "head without a scale", "nan head", "inf head",
                                   "overflowing head"])
 def test_jax_gradients_take_the_references_edge_values(kind):
