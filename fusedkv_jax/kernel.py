@@ -523,11 +523,12 @@ def default_tile(total_ctx: int, n_layers: int, num_kv_heads: int, head_dim: int
                  interpret: bool = False) -> tuple[int, int, int]:
     """``(block_tokens, block_heads, num_warps)`` for a call of this size: the overrides
     given, the rest chosen (``interpret``: few, large programs). ``n_layers`` counts in
-    the number of programs, which sets how many tokens a tile takes and, in calls too
-    short for tiles of one token to fill the GPU, how many heads where a tile would hold
-    more than ``_SPLIT_TILE_BYTES`` of K (``itemsize``: the bytes of an element of ``kv``)
-    (:func:`loops_over_layers` says whether a program takes one layer or all); ``rotary_dim`` (``head_dim`` when
-    None) and ``rope_style`` set the width of the loads, which sets the threads."""
+    the number of programs, which sets how many tokens a tile takes (:func:`loops_over_layers`
+    says whether a program takes one layer or all) and, in calls too short for tiles of one
+    token to fill the GPU, how many heads, where a tile would hold more than
+    ``_SPLIT_TILE_BYTES`` of K (``itemsize``: the bytes of an element of ``kv``);
+    ``rotary_dim`` (``head_dim`` when None) and ``rope_style`` set the width of the loads,
+    which sets the threads."""
     block_tokens, block_heads, num_warps = (
         None if value is None else tile_argument(name, value)
         for name, value in (("block_tokens", block_tokens), ("block_heads", block_heads),
