@@ -656,13 +656,21 @@ def _pallas_launch(kv, k_norm_weight, eps, cos_sin_cache, positions, slots, k_de
     )(*inputs)
 
 
+def devices_of(array):
+    """The devices ``array`` lives on; None for NumPy input and jit tracers, which have none
+    of their own. A tracer is not asked: the error it raises describes where it came from,
+    which walks the whole program traced so far."""
+    if isinstance(array, jax.core.Tracer) or not hasattr(array, "devices"):
+        return None
+    return array.devices()
+
+
 def on_cpu(kv) -> bool:
-    """Whether ``kv`` lives on the CPU; NumPy input and jit tracers have no device of their
-    own, so the default backend decides. A tracer is not asked: the error it raises
-    describes where it came from, which walks the whole program traced so far."""
-    if isinstance(kv, jax.core.Tracer) or not hasattr(kv, "devices"):
+    """Whether ``kv`` lives on the CPU (the default backend decides where it has no device)."""
+    devices = devices_of(kv)
+    if devices is None:
         return jax.default_backend() == "cpu"
-    return all(device.platform == "cpu" for device in kv.devices())
+    return all(device.platform == "cpu" for device in devices)
 
 
 def _on_default_device(array):

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from fusedkv_jax.kernel import on_cpu, fused_kv_norm_rope, fused_kv_norm_rope_into_cache
+from fusedkv_jax.kernel import devices_of, on_cpu, fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_jax.indices import narrow_for_jax
 from interop.core.checkpoint import read_checkpoint_layers
 from interop.core.materializer import (FP8_E4M3_MAX, MIN_ACTIVATION_AMAX, LayerKV, MaterializerConfig,
@@ -224,11 +224,7 @@ def _fp8_gemm(config: MaterializerConfig, ctx_hidden) -> bool:
     and sizes such a GEMM takes. Decided before jit, as ``interpret`` is."""
     if not config.fp8_gemm_shapes:
         return False
-    # A tracer is not asked: the error it raises walks the whole program traced so far.
-    if isinstance(ctx_hidden, jax.core.Tracer) or not hasattr(ctx_hidden, "devices"):
-        devices = jax.devices()[:1]
-    else:
-        devices = ctx_hidden.devices()
+    devices = devices_of(ctx_hidden) or jax.devices()[:1]
     return all(device.platform == "gpu" and _capability(device) >= 8.9 for device in devices)
 
 
