@@ -26,9 +26,9 @@ at most 8 or a multiple of 8 (a multiple of 64 in interpret mode); other calls w
 are refused. It is not the default because it is slower: it passes the reference
 checks on the GPU, but timed in jit as a jit user runs it (``fusedkv bench``'s
 ``pallas-mosaic`` row, which checks that the compiled jit launches it once per call)
-it loses to the Triton lowering at every size (BENCHMARKS.md). Its outputs are also fresh arrays,
-never a caller's ``k_out``/``v_out`` written in place (jax 0.11.2 lowers Mosaic GPU
-only through ``plgpu.kernel``, which has no aliasing). The paged-cache entry point
+it loses to the Triton lowering at every size (BENCHMARKS.md). It writes a caller's
+``k_out``/``v_out`` in place through refs (under a jit that donates them), but not
+under ``jax.vmap``, which batches it only with fresh outputs. The paged-cache entry point
 stays on Triton: its slots scatter rows to data-dependent places, which a Mosaic GPU
 kernel would do with one copy per token, slower than the plain op it already loses to.
 
@@ -760,7 +760,8 @@ def fused_kv_norm_rope(
       ``k_norm_weight`` and ``v_multiplier``;
       ``eps``, ``cos_sin_cache``, ``positions`` and given ``k_out``/``v_out`` get zero cotangents.
 
-    Usable inside ``jax.jit`` (the configuration is static) and under ``jax.vmap``.
+    Usable inside ``jax.jit`` (the configuration is static) and under ``jax.vmap``
+    (with ``lowering="mosaic_gpu"``, without ``k_out``/``v_out``).
     """
     outputs, given_kv = (("k_out", k_out), ("v_out", v_out)), kv
     check_arrays((("kv", kv), ("k_norm_weight", k_norm_weight), ("eps", eps),
@@ -815,7 +816,7 @@ def fused_kv_norm_rope_accepted(accepted: AcceptedCall, kv, k_norm_weight, eps, 
     # Differentiable (jax.grad, jax.vjp): fusedkv_jax.backward's custom_vjp around the same launch.
     if lowering == "mosaic_gpu":
         return backward.differentiable_mosaic_launch(tuple(options.items()), kv, k_norm_weight, eps, cos_sin_cache,
-                                                     positions)
+                                                     positions, k_out, v_out)
     return backward.differentiable_launch(tuple(options.items()), kv, k_norm_weight, eps, cos_sin_cache, positions,
                                           k_out, v_out, v_multiplier, layer_rope_table)
 

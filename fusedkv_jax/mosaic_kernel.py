@@ -28,9 +28,12 @@ interleaved pairs are no column slice of the WGMMA layout) is the Triton lowerin
 
 jax versions (as of jax 0.11.2): ``pl.pallas_call`` no longer
 lowers to Mosaic GPU there (its lowering rule is gone: a bare ``AssertionError``), so
-the kernel is a ``plgpu.kernel``, which has no ``input_output_aliases``: the outputs
-are fresh arrays, and a caller's ``k_out``/``v_out`` are not written in place. That
-version also lays out plain shared-memory tiles itself (tiled by 8 rows), which
+the kernel is a ``pl.kernel`` over a Mosaic GPU mesh. It has no ``input_output_aliases``;
+instead a caller's ``k_out``/``v_out`` enter as refs (``jax.new_ref`` in global memory),
+which the kernel reads and writes in place, and which a jit that donates the outputs
+turns into aliased buffers. Without given outputs the kernel is a ``plgpu.kernel``,
+which ``jax.vmap`` batches over a grid axis; Pallas batches no kernel whose operands
+include refs. That version also lays out plain shared-memory tiles itself (tiled by 8 rows), which
 refuses a context longer than 8 tokens and not a multiple of 8. On the CPU, jax
 0.10.2's Mosaic GPU interpreter runs ``plgpu.kernel`` grids (its gridded
 ``pallas_call`` keeps only the first program's writes) but cannot copy past an
@@ -58,6 +61,7 @@ _SHARED_BYTES = 200 * 1024  # of Hopper's 227 KiB per block, with room for the r
 # the Triton lowering.
 _KV_DTYPES = (jnp.bfloat16, jnp.float16)
 GRID_NAMES = ("block", "layer", "head")
+KERNEL_NAME = "fused_kv_norm_rope_mosaic"
 
 
 def supports(config: FusedKVConfig, kv_dtype) -> bool:
@@ -182,57 +186,94 @@ def _load(ref, layout, interpret):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def launch(kv, k_norm_weight, eps, cos_sin_cache, positions, *, config: FusedKVConfig, interpret):
-    """The ``plgpu.kernel``: ``(k_out, v_out)``, each ``[n_layers, total_ctx, heads, head_dim]``.
+def launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=None, v_out=None, *, config: FusedKVConfig,
+           interpret):
+    """The Mosaic GPU kernel: ``(k_out, v_out)``, each ``[n_layers, total_ctx, heads, head_dim]``.
 
     ``kv`` dense ``[total_ctx, n_layers, 2*kv_size]``; ``positions`` int32 or int64 (an
     int64 position is narrowed with out-of-range values kept out of range).
-    ``interpret``: run under Mosaic GPU's interpret mode (CPU). The outputs are fresh
-    arrays (``plgpu.kernel`` has no input/output aliasing; module docstring).
+    ``k_out``/``v_out``: optional outputs, written through refs the kernel aliases (in
+    place under a jit that donates them; not under ``jax.vmap``, see
+    :meth:`_Kernel.written_into`). None allocates the output.
+    ``interpret``: run under Mosaic GPU's interpret mode (CPU).
     """
     total_ctx, n_layers, _ = kv.shape
-    heads, dim, rotary_dim = config.num_kv_heads, config.head_dim, config.rotary_dim
-    half = rotary_dim // 2
+    heads, dim = config.num_kv_heads, config.head_dim
     max_position = cos_sin_cache.shape[0]
     if positions.dtype != jnp.int32:
         in_range = (positions >= 0) & (positions < max_position)
         positions = jnp.where(in_range, positions, -1).astype(jnp.int32)
-    widths = [half, half] + ([dim - rotary_dim] if rotary_dim < dim else [])
-    starts = [0, half, rotary_dim]
-    tokens_per_block = min(BLOCK_TOKENS, total_ctx)
-    # Tiled copies move whole tiles of 8 rows: a context of another length takes the
-    # untiled tiles (bank conflicts in their loads and stores).
-    tiled = total_ctx % 8 == 0
-    scratch = dict(
-        k_tile=_tile((BLOCK_TOKENS, dim), kv.dtype, tiled=tiled),
-        v_tiles=[_tile((BLOCK_TOKENS, dim), kv.dtype, tiled=True)] if tiled else
-                [_tile((BLOCK_TOKENS, dim // 2), kv.dtype, tiled=False)] * 2,
-        out_tiles=[_tile((BLOCK_TOKENS, width), kv.dtype, tiled=tiled, start=start)
-                   for width, start in zip(widths, starts)],
-        weight_tile=plgpu.SMEM((dim,), jnp.float32),
-        positions_tile=plgpu.SMEM((BLOCK_TOKENS,), jnp.int32),
-        cos_sin_tile=plgpu.SMEM((BLOCK_TOKENS, rotary_dim), jnp.float32),
-        eps_rows=plgpu.SMEM((BLOCK_TOKENS,), jnp.float32),
-        loaded=plgpu.Barrier(num_arrivals=3 if tiled else 4),
-        positions_loaded=plgpu.Barrier(num_arrivals=1),
-        rows_loaded=plgpu.Barrier(num_arrivals=tokens_per_block),
-    )
-    kernel = functools.partial(
-        _fused_kv_norm_rope_kernel, head_dim=dim, rotary_dim=rotary_dim,
-        tokens_per_block=tokens_per_block, tiled=tiled, interpret=bool(interpret))
-    out_type = [jax.ShapeDtypeStruct(config.output_shape(n_layers, total_ctx), kv.dtype)] * 2
-    return plgpu.kernel(
-        kernel,
-        out_type=out_type,
-        scratch_types=scratch,
-        grid=(pl.cdiv(total_ctx, BLOCK_TOKENS), n_layers, heads),
-        grid_names=GRID_NAMES,
-        compiler_params=plgpu.CompilerParams(),
-        interpret=_interpret_params() if interpret else None,
-        kernel_name="fused_kv_norm_rope_mosaic",
-    )(kv.reshape(total_ctx, n_layers, 2, heads, dim), k_norm_weight.astype(jnp.float32),
-      # A bf16/fp16 table's rows in shared memory end in a misaligned address on Hopper: fp32 rows.
-      eps.astype(jnp.float32), cos_sin_cache.astype(jnp.float32), positions)
+    operands = (kv.reshape(total_ctx, n_layers, 2, heads, dim), k_norm_weight.astype(jnp.float32),
+                # A bf16/fp16 table's rows in shared memory end in a misaligned address on Hopper: fp32 rows.
+                eps.astype(jnp.float32), cos_sin_cache.astype(jnp.float32), positions)
+    kernel = _Kernel(config, total_ctx, n_layers, kv.dtype, bool(interpret))
+    if k_out is None and v_out is None:
+        return kernel.fresh(*operands)
+    return kernel.written_into(operands, k_out, v_out)
+
+
+class _Kernel:
+    """The kernel of one call's shape, launched with fresh outputs (:meth:`fresh`) or
+    into given ones (:meth:`written_into`)."""
+
+    def __init__(self, config: FusedKVConfig, total_ctx: int, n_layers: int, dtype, interpret: bool):
+        dim, rotary_dim = config.head_dim, config.rotary_dim
+        half = rotary_dim // 2
+        widths = [half, half] + ([dim - rotary_dim] if rotary_dim < dim else [])
+        starts = [0, half, rotary_dim]
+        tokens_per_block = min(BLOCK_TOKENS, total_ctx)
+        # Tiled copies move whole tiles of 8 rows: a context of another length takes the
+        # untiled tiles (bank conflicts in their loads and stores).
+        tiled = total_ctx % 8 == 0
+        self.scratch = dict(
+            k_tile=_tile((BLOCK_TOKENS, dim), dtype, tiled=tiled),
+            v_tiles=[_tile((BLOCK_TOKENS, dim), dtype, tiled=True)] if tiled else
+                    [_tile((BLOCK_TOKENS, dim // 2), dtype, tiled=False)] * 2,
+            out_tiles=[_tile((BLOCK_TOKENS, width), dtype, tiled=tiled, start=start)
+                       for width, start in zip(widths, starts)],
+            weight_tile=plgpu.SMEM((dim,), jnp.float32),
+            positions_tile=plgpu.SMEM((BLOCK_TOKENS,), jnp.int32),
+            cos_sin_tile=plgpu.SMEM((BLOCK_TOKENS, rotary_dim), jnp.float32),
+            eps_rows=plgpu.SMEM((BLOCK_TOKENS,), jnp.float32),
+            loaded=plgpu.Barrier(num_arrivals=3 if tiled else 4),
+            positions_loaded=plgpu.Barrier(num_arrivals=1),
+            rows_loaded=plgpu.Barrier(num_arrivals=tokens_per_block),
+        )
+        self.body = functools.partial(
+            _fused_kv_norm_rope_kernel, head_dim=dim, rotary_dim=rotary_dim,
+            tokens_per_block=tokens_per_block, tiled=tiled, interpret=interpret)
+        self.grid = (pl.cdiv(total_ctx, BLOCK_TOKENS), n_layers, config.num_kv_heads)
+        self.output = jax.ShapeDtypeStruct(config.output_shape(n_layers, total_ctx), dtype)
+        self.interpret = _interpret_params() if interpret else None
+
+    def fresh(self, *operands) -> tuple:
+        """``(k_out, v_out)`` as new arrays; ``jax.vmap`` batches it (over a grid axis)."""
+        return tuple(plgpu.kernel(
+            self.body, out_type=[self.output] * 2, scratch_types=self.scratch, grid=self.grid,
+            grid_names=GRID_NAMES, compiler_params=plgpu.CompilerParams(), interpret=self.interpret,
+            kernel_name=KERNEL_NAME,
+        )(*operands))
+
+    def written_into(self, operands: tuple, k_out, v_out) -> tuple:
+        """``(k_out, v_out)``, a given one written through a ref the kernel aliases, a
+        missing one fresh. ``jax.vmap`` does not batch it: Pallas batches a Mosaic GPU
+        kernel with refs among its operands only over a batch of one."""
+        given = [out is not None for out in (k_out, v_out)]
+        refs = [None if out is None else jax.new_ref(out, memory_space=plgpu.GMEM) for out in (k_out, v_out)]
+        fresh = iter(pl.kernel(
+            functools.partial(self._into_refs, given),
+            out_type=tuple(self.output for ref in refs if ref is None),
+            mesh=plgpu.Mesh(grid=self.grid, grid_names=GRID_NAMES, kernel_name=KERNEL_NAME),
+            compiler_params=plgpu.CompilerParams(), interpret=self.interpret or False,
+        )(*operands, *(ref for ref in refs if ref is not None)))
+        return tuple(next(fresh) if ref is None else jax.freeze(ref) for ref in refs)
+
+    def _into_refs(self, given: list, *refs) -> None:
+        """The body of :meth:`written_into`'s kernel: its refs are the five inputs, the given
+        outputs, then the fresh ones; the block's scratch is scoped inside."""
+        inputs, given_refs, fresh_refs = refs[:5], iter(refs[5:5 + sum(given)]), iter(refs[5 + sum(given):])
+        outputs = [next(given_refs) if is_given else next(fresh_refs) for is_given in given]
+        pl.run_scoped(functools.partial(self.body, *inputs, *outputs), **self.scratch)
 
 
 def _interpret_params():

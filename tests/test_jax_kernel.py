@@ -702,15 +702,47 @@ def test_mosaic_out_of_range_positions_give_nan_rows_and_keep_v():
     assert rows_nan.nonzero()[0].tolist() == [0, 5, 9, 63]
 
 
-def test_mosaic_given_outputs_get_the_values():
-    # The Mosaic GPU outputs are fresh arrays (plgpu.kernel has no aliasing): the values
-    # returned are the contract, whatever was in the buffers given.
-    config = FusedKVConfig(1, 32, 32, "neox")
-    host = _inputs(config, n_layers=1, total_ctx=64, seed=32)
-    shape = config.output_shape(1, 64)
-    k, v = fused_kv_norm_rope(*host, **_static(config), lowering="mosaic_gpu",
-                              k_out=_poisoned(shape, jnp.bfloat16), v_out=_poisoned(shape, jnp.bfloat16))
+def test_mosaic_writes_given_outputs_in_place_under_a_jit_that_donates_them():
+    config = FusedKVConfig(2, 64, 32, "neox")
+    host = _inputs(config, n_layers=2, total_ctx=64, seed=32)
+    shape = config.output_shape(2, 64)
+    k_out, v_out = _poisoned(shape, jnp.bfloat16), _poisoned(shape, jnp.bfloat16)
+    pointers = k_out.unsafe_buffer_pointer(), v_out.unsafe_buffer_pointer()
+    step = jax.jit(functools.partial(fused_kv_norm_rope, **_static(config), lowering="mosaic_gpu"),
+                   donate_argnames=("k_out", "v_out"))
+    k, v = step(*(jax.device_put(a) for a in host), k_out=k_out, v_out=v_out)
+    assert k_out.is_deleted() and v_out.is_deleted()
+    assert (k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()) == pointers
     _assert_matches_reference(k, v, host, config)
+
+
+@pytest.mark.parametrize("given", ["k_out", "v_out"])
+def test_mosaic_with_one_output_given_writes_it_and_allocates_the_other(given):
+    config = FusedKVConfig(1, 64, 32, "neox")
+    host = _inputs(config, n_layers=3, total_ctx=64, seed=37)
+    k, v = jax.jit(functools.partial(fused_kv_norm_rope, **_static(config), lowering="mosaic_gpu"))(
+        *host, **{given: _poisoned(config.output_shape(3, 64), jnp.bfloat16)})
+    _assert_matches_reference(k, v, host, config)
+
+
+def test_mosaic_under_vmap_without_given_outputs_matches_each_call():
+    config = FusedKVConfig(1, 64, 32, "neox")
+    contexts = [_inputs(config, n_layers=2, total_ctx=64, seed=38 + i) for i in range(3)]
+    kv = np.stack([host[0] for host in contexts])
+    fixed, positions = contexts[0][1:4], contexts[0][4]
+    k, v = jax.vmap(lambda x: fused_kv_norm_rope(x, *fixed, positions, **_static(config), lowering="mosaic_gpu"))(kv)
+    for i, host in enumerate(contexts):
+        _assert_matches_reference(k[i], v[i], (host[0], *fixed, positions), config)
+
+
+def test_mosaic_given_outputs_without_donation_are_left_as_they_were():
+    config = FusedKVConfig(1, 32, 32, "neox")
+    host = _inputs(config, n_layers=1, total_ctx=64, seed=36)
+    shape = config.output_shape(1, 64)
+    k_out, v_out = _poisoned(shape, jnp.bfloat16), _poisoned(shape, jnp.bfloat16)
+    k, v = fused_kv_norm_rope(*host, **_static(config), lowering="mosaic_gpu", k_out=k_out, v_out=v_out)
+    _assert_matches_reference(k, v, host, config)
+    assert np.isnan(np.asarray(k_out, np.float32)).all() and np.isnan(np.asarray(v_out, np.float32)).all()
 
 
 def test_default_lowering_is_triton():

@@ -77,9 +77,10 @@ def _triton_fresh(workload: Workload) -> Calls:
                     given_outputs=False)
 
 
-def pallas_steps(workload: Workload, **options) -> Steps:
+def pallas_steps(workload: Workload, kernel_target: str | None = None, **options) -> Steps:
     """The Pallas kernel writing into the outputs it is given (donated through the chain);
-    ``options`` reach ``fusedkv_jax.fused_kv_norm_rope`` (tiles, a lowering)."""
+    ``options`` reach ``fusedkv_jax.fused_kv_norm_rope`` (tiles, a lowering);
+    ``kernel_target``: see :class:`~interop.bench.rows.Steps`."""
     from fusedkv_jax import fused_kv_norm_rope
 
     static = workload.shape.static()
@@ -88,7 +89,7 @@ def pallas_steps(workload: Workload, **options) -> Steps:
         kv, positions = varying
         return fused_kv_norm_rope(kv, *fixed, positions, **static, k_out=outputs[0], v_out=outputs[1], **options)
 
-    return op_steps(workload, step)
+    return op_steps(workload, step, kernel_target=kernel_target)
 
 
 def captured_launches(call: Callable[[], object], kernel_class=None, launch_class=None) -> list[tuple]:
@@ -166,10 +167,9 @@ def _pallas_pdl(workload: Workload) -> Steps:
 
 
 def _pallas_mosaic(workload: Workload) -> Steps:
-    """The Pallas kernel on its Mosaic GPU lowering, whose outputs are fresh arrays (it
-    writes no ``k_out``/``v_out`` in place): chained as XLA's own computations are, its
-    inputs unshifted (:func:`~interop.bench.timers.chained_calls`)."""
-    from fusedkv_jax import fused_kv_norm_rope, mosaic_kernel
+    """The Pallas kernel on its Mosaic GPU lowering, writing into the outputs it is given
+    as the Triton lowering's row does."""
+    from fusedkv_jax import mosaic_kernel
 
     shape, total_ctx = workload.shape, workload.total_ctx
     config = shape.config
@@ -180,14 +180,8 @@ def _pallas_mosaic(workload: Workload) -> Steps:
     if not mosaic_kernel.supports_context(total_ctx, interpret=interpret):
         raise NotApplicable(f"Mosaic GPU's interpreter takes multiples of {mosaic_kernel.BLOCK_TOKENS} tokens"
                             if interpret else "Mosaic GPU takes at most 8 tokens or a multiple of 8")
-    static = shape.static()
-
-    def step(fixed, varying, outputs):
-        kv, positions = varying
-        return fused_kv_norm_rope(kv, *fixed, positions, **static, lowering="mosaic_gpu")
-
-    # Interpreted, the kernel is no custom call but ordinary XLA work, which takes the shift.
-    return op_steps(workload, step, fresh_outputs=True, kernel_target=None if interpret else MOSAIC_GPU_TARGET)
+    # Interpreted, the kernel is no custom call but ordinary XLA work.
+    return pallas_steps(workload, kernel_target=None if interpret else MOSAIC_GPU_TARGET, lowering="mosaic_gpu")
 
 
 def _pallas_eager(workload: Workload) -> Calls:
