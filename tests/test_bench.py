@@ -449,10 +449,12 @@ def test_a_call_of_xla_math_counts_the_kernels_xla_compiles_it_into_and_a_custom
     workload = Workload(TINY, 3, "bfloat16", framework="jax", set_count=2)
     forward = runner.kernels_per_call(BY_NAME["jnp-jit"].prepare(workload))
     training = runner.kernels_per_call(BY_NAME["jnp-jit-train"].prepare(workload))
-    assert 1 < forward < training  # unfused math, and its backward adds kernels to its forward's
+    # Unfused math is several kernels, forward or with its backward (how many is XLA's to
+    # decide: on a GPU it fuses the training step into fewer than the forward alone).
+    assert forward > 1 and training > 1
     effort = dataclasses.replace(ONCE, max_calls_per_jit=512)
     steps = BY_NAME["jnp-jit-train"].prepare(workload)
-    assert runner.jit_calls(steps, effort, training) == max(8, math.ceil(1e-3 / (training * 1.5e-6)))
+    assert runner.jit_calls(steps, effort, training) == min(512, max(8, math.ceil(1e-3 / (training * 1.5e-6))))
     assert runner.kernels_per_call(dataclasses.replace(steps, kernel_target="kernel", kernel_launches=2)) == 2
     assert runner.kernels_per_call(dataclasses.replace(steps, calls_bytes=1024)) == 1
     assert runner.kernels_per_call(dataclasses.replace(steps, fresh_outputs=False)) == 1
