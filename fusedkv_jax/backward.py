@@ -130,6 +130,8 @@ def backward_tile(block_tokens: int, block_heads: int, head_dim: int) -> tuple[i
     return block_tokens, block_heads, max(1, min(8, elements // (32 * _ELEMENTS_PER_THREAD)))
 
 
+# Jitted: a jit of many backward calls then traces and lowers the kernel once.
+@functools.partial(jax.jit, static_argnames=("config", "block_tokens", "block_heads", "num_warps", "interpret"))
 def _pallas_backward(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, grad_k, grad_v,
                      layer_rope_table=None, *, config: FusedKVConfig, block_tokens: int, block_heads: int,
                      num_warps: int, interpret: bool):

@@ -647,13 +647,41 @@ def test_the_floor_takes_the_kernels_tile_of_the_same_rope_style(config, monkeyp
         lambda *args: [jax.ShapeDtypeStruct(args[3].shape, args[3].dtype)] * 2))
     kv = jax.ShapeDtypeStruct((4096, 5, 2 * config.num_kv_heads * config.head_dim), jax.numpy.bfloat16)
     dest = jax.ShapeDtypeStruct((5, 4096, config.num_kv_heads, config.head_dim), jax.numpy.bfloat16)
-    floors.copy(kv, None, None, dest, dest, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                rotary_dim=config.rotary_dim, rope_style=config.rope_style, cos_sin=False)
+    # The function under its jit: traced here with shapes alone, and with no trace cached.
+    floors.copy.__wrapped__(kv, None, None, dest, dest, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                            rotary_dim=config.rotary_dim, rope_style=config.rope_style, cos_sin=False)
     block_tokens, block_heads, num_warps = pallas_kernel.default_tile(
         4096, 5, config.num_kv_heads, config.head_dim, rotary_dim=config.rotary_dim, rope_style=config.rope_style)
     [options] = taken
     assert options["grid"][2] == -(-config.num_kv_heads // block_heads)
     assert options["compiler_params"].num_warps == num_warps
+
+
+@pytest.mark.parametrize("name", ["pallas", "pallas-pdl", "pallas-bwd", "pallas-train", "pallas-floor",
+                                  "pallas-floor-cos-sin", "pallas-v-multiplier", "pallas-tables"])
+def test_a_jit_of_many_calls_of_a_pallas_row_traces_its_kernels_as_one_call_does(name, monkeypatch):
+    # Each call tracing its kernel anew made a row's jit of hundreds of calls take seconds to lower.
+    jax = pytest.importorskip("jax")
+    from jax.experimental import pallas
+    from interop.bench import timers
+    from interop.bench.workload import Workload
+
+    traced, pallas_call = [], pallas.pallas_call  # the kernels' modules call it as pl.pallas_call
+    monkeypatch.setattr(pallas, "pallas_call", lambda *args, **kwargs: traced.append(1) or pallas_call(*args, **kwargs))
+    prepared = BY_NAME[name].prepare(Workload(TINY, 3, "bfloat16", framework="jax", set_count=2))
+
+    def kernels_traced(calls):
+        jax.clear_caches()
+        traced.clear()
+        run = timers.chained_calls(prepared.step, calls, len(prepared.varying), fresh_outputs=prepared.fresh_outputs,
+                                   opaque_step=prepared.kernel_target is not None,
+                                   shift_inputs=prepared.shift_inputs, compiler_options=prepared.compiler_options)
+        run.trace(prepared.fixed, prepared.varying, jax.eval_shape(prepared.new_outputs),
+                  jax.numpy.zeros(calls, jax.numpy.float32))
+        return len(traced)
+
+    assert kernels_traced(1) >= 1
+    assert kernels_traced(6) == kernels_traced(1)
 
 
 ODD = BenchShape("odd", FusedKVConfig(num_kv_heads=3, head_dim=80, rotary_dim=40, rope_style="gptj"), 3,

@@ -268,3 +268,29 @@ def test_a_second_derivative_through_the_op_is_refused_naming_what_it_differenti
     message = "Invalid kv for fused KV materialization: got a second derivative through the op"
     with pytest.raises(TypeError, match=f"^{re.escape(message)}"):
         jax.grad(lambda kv: jnp.sum(jax.grad(loss)(kv)))(jnp.asarray(kv))
+
+
+def test_a_jit_of_many_differentiated_calls_traces_the_backward_kernel_once(monkeypatch):
+    from fusedkv_jax import backward
+
+    traced, pallas_call = [], backward.pl.pallas_call
+
+    def counting(kernel, **options):
+        traced.extend([1] if options.get("name") == "fused_kv_norm_rope_backward" else [])
+        return pallas_call(kernel, **options)
+
+    monkeypatch.setattr(backward.pl, "pallas_call", counting)
+    jax.clear_caches()
+    config = FusedKVConfig(2, 16, 16, "neox")
+    (kv, weight, eps, cache, positions), _, _ = _inputs(config)
+    op = _op(config, eps, cache, positions)
+
+    def loss(kv, weight):
+        total = 0.0
+        for i in range(6):
+            k, v = op(kv * (i + 1), weight, None)
+            total = total + jnp.sum(k.astype(jnp.float32)) + jnp.sum(v.astype(jnp.float32))
+        return total
+
+    jax.jit(jax.grad(loss, argnums=(0, 1))).trace(jnp.asarray(kv), jnp.asarray(weight))
+    assert len(traced) == 1

@@ -65,6 +65,8 @@ def copy_kernel(kv_ref, cos_sin_ref, positions_ref, k_dest_ref, v_dest_ref, k_ou
                         mask=ok)
 
 
+# Jitted, as the kernel's launch is: a jit of many calls then traces and lowers one of them.
+@functools.partial(jax.jit, static_argnames=("num_kv_heads", "head_dim", "rotary_dim", "rope_style", "cos_sin"))
 def copy(kv, cos_sin_cache, positions, k_dest, v_dest, *, num_kv_heads: int, head_dim: int, rotary_dim: int,
          rope_style: str, cos_sin: bool):
     """``k_dest``/``v_dest`` (aliased, so donated ones are written in place) holding K and V
