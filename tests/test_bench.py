@@ -807,13 +807,35 @@ def test_the_pdl_row_is_the_pallas_row_in_a_jit_compiled_with_xla_pdl(monkeypatc
     pytest.param(MOSAIC_TINY, 12, "bfloat16", "Mosaic GPU takes at most 8 tokens or a multiple of 8",
                  marks=pytest.mark.skipif(not ON_GPU, reason="the compiled kernel's rule")),
 ])
-def test_the_mosaic_row_is_not_applicable_where_mosaic_has_no_kernel(shape, tokens, dtype, reason):
+@pytest.mark.parametrize("name", ["pallas-mosaic", "pallas-mosaic-floor", "pallas-mosaic-floor-cos-sin"])
+def test_the_mosaic_rows_are_not_applicable_where_mosaic_has_no_kernel(shape, tokens, dtype, reason, name):
     pytest.importorskip("jax")
     errors = []
-    (measurement,) = run(plan([shape], [tokens], [BY_NAME["pallas-mosaic"]]), dtype=dtype, framework="jax",
+    (measurement,) = run(plan([shape], [tokens], [BY_NAME[name]]), dtype=dtype, framework="jax",
                          effort=ONCE, on_error=lambda failed, trace: errors.append(trace))
     assert measurement.check == f"n/a: {reason}"
     assert measurement.seconds is None and measurement.ok and not errors
+
+
+@pytest.mark.parametrize("name", ["pallas-mosaic-floor", "pallas-mosaic-floor-cos-sin"])
+def test_the_mosaic_floor_rows_copy_k_and_v_bit_for_bit_into_the_outputs_they_are_given(name):
+    pytest.importorskip("jax")
+    from interop.bench.runner import measure
+    from interop.bench.workload import Workload
+
+    shape = dataclasses.replace(MOSAIC_TINY, n_layers=2)
+    workload = Workload(shape, 128, "bfloat16", framework="jax", set_count=2)
+    measurement = measure(BY_NAME[name], workload, dataclasses.replace(ONCE, max_calls_per_jit=2), shape=shape,
+                          total_ctx=128, dtype="bfloat16")
+    assert measurement.kind == "floor" and not measurement.does_op
+    assert measurement.check == "ok" and measurement.seconds is not None
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the compiled kernel's rule")
+def test_the_mosaic_floor_rows_are_not_applicable_to_contexts_of_untiled_copies():
+    (measurement,) = run(plan([MOSAIC_TINY], [4], [BY_NAME["pallas-mosaic-floor"]]), dtype="bfloat16",
+                         framework="jax", effort=ONCE)
+    assert measurement.check == "n/a: the Mosaic GPU floor copies tiles of 8 rows: a multiple of 8 tokens"
 
 
 def _broken_steps(workload):
@@ -872,11 +894,11 @@ def test_a_raising_implementation_is_recorded_and_the_run_goes_on():
 
 
 # torch.compile's CPU compilation alone takes about 30 s; on the GPU it is checked with the
-# rest. pallas-mosaic takes no TINY shape (its own tests above); Triton's own launch needs a
-# compiled kernel (its own test below).
+# rest. The Mosaic GPU rows take no TINY shape (their own tests above); Triton's own launch
+# needs a compiled kernel (its own test below).
 CHECKED_HERE = [i for i in IMPLEMENTATIONS if (ON_GPU or i.name not in ("torch-compile", "torch-compile-host",
                                                                          "triton-launch", "triton-launch-reads"))
-                and i.name != "pallas-mosaic"]
+                and not i.name.startswith("pallas-mosaic")]
 
 
 @pytest.mark.parametrize("implementation", CHECKED_HERE, ids=[i.name for i in CHECKED_HERE])

@@ -15,9 +15,10 @@ Kinds:
   jnp under ``jax.jit``, which XLA fuses); the fastest is the speed-up column's yardstick;
 * ``copy``: a device copy of the op's bytes in the same framework (the "of copy" column);
 * ``floor``: each kernel's data movement alone, in its own form
-  (:mod:`interop.bench.triton_floors`, :mod:`interop.bench.floors`): ``triton-floor`` and
-  ``pallas-floor`` copy K and V unchanged, ``triton-floor-cos-sin`` and
-  ``pallas-floor-cos-sin`` also load each token's position and cos/sin row;
+  (:mod:`interop.bench.triton_floors`, :mod:`interop.bench.floors`,
+  :mod:`interop.bench.mosaic_floors`): ``triton-floor``, ``pallas-floor`` and
+  ``pallas-mosaic-floor`` copy K and V unchanged, their ``-cos-sin`` rows also load each
+  token's position and cos/sin row;
 * ``materializer``: each materializer's GEMM alone, and the materializer end to end,
   into outputs, into a paged cache, and the flow it replaces
   (:mod:`interop.bench.materializers`);
@@ -166,13 +167,12 @@ def _pallas_pdl(workload: Workload) -> Steps:
     return dataclasses.replace(pallas_steps(workload, lowering="triton"), compiler_options=XLA_PDL)
 
 
-def _pallas_mosaic(workload: Workload) -> Steps:
-    """The Pallas kernel on its Mosaic GPU lowering, writing into the outputs it is given
-    as the Triton lowering's row does."""
+def _mosaic_interpreted(workload: Workload) -> bool:
+    """Whether the Mosaic GPU rows run in its interpreter (``kv`` on the CPU); raises
+    :class:`NotApplicable` where the Mosaic GPU kernel takes no such call."""
     from fusedkv_jax import mosaic_kernel
 
-    shape, total_ctx = workload.shape, workload.total_ctx
-    config = shape.config
+    config, total_ctx = workload.shape.config, workload.total_ctx
     if not mosaic_kernel.supports(config, workload.dtype):
         raise NotApplicable(f"no Mosaic GPU kernel for {workload.dtype} {config.rope_style}, "
                             f"head_dim {config.head_dim}, rotary {config.rotary_dim}")
@@ -180,8 +180,35 @@ def _pallas_mosaic(workload: Workload) -> Steps:
     if not mosaic_kernel.supports_context(total_ctx, interpret=interpret):
         raise NotApplicable(f"Mosaic GPU's interpreter takes multiples of {mosaic_kernel.BLOCK_TOKENS} tokens"
                             if interpret else "Mosaic GPU takes at most 8 tokens or a multiple of 8")
+    return interpret
+
+
+def _pallas_mosaic(workload: Workload) -> Steps:
+    """The Pallas kernel on its Mosaic GPU lowering, writing into the outputs it is given
+    as the Triton lowering's row does."""
+    interpret = _mosaic_interpreted(workload)
     # Interpreted, the kernel is no custom call but ordinary XLA work.
     return pallas_steps(workload, kernel_target=None if interpret else MOSAIC_GPU_TARGET, lowering="mosaic_gpu")
+
+
+def _pallas_mosaic_floor(workload: Workload, *, cos_sin: bool) -> Steps:
+    """:func:`interop.bench.mosaic_floors.copy` over every input set, checked as a copy of K and V."""
+    from interop.bench import mosaic_floors
+
+    interpret = _mosaic_interpreted(workload)
+    if workload.total_ctx % 8:
+        raise NotApplicable("the Mosaic GPU floor copies tiles of 8 rows: a multiple of 8 tokens")
+    config = workload.shape.config
+    static = dict(num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+
+    def step(fixed, varying, outputs):
+        kv, positions = varying
+        return mosaic_floors.copy(kv, fixed[2], positions, *outputs, **static, rotary_dim=config.rotary_dim,
+                                  cos_sin=cos_sin, interpret=interpret)
+
+    steps = op_steps(workload, step, kernel_target=None if interpret else MOSAIC_GPU_TARGET)
+    return dataclasses.replace(steps, check=lambda outputs, i: kv_copy_verdict(
+        outputs, workload.varying(i, "jax")[0], **static))
 
 
 def _pallas_eager(workload: Workload) -> Calls:
@@ -355,6 +382,10 @@ IMPLEMENTATIONS = (
     Implementation("pallas-floor", "jax", "floor", functools.partial(_pallas_floor, cos_sin=False), does_op=False),
     Implementation("pallas-floor-cos-sin", "jax", "floor", functools.partial(_pallas_floor, cos_sin=True),
                    does_op=False),
+    Implementation("pallas-mosaic-floor", "jax", "floor", functools.partial(_pallas_mosaic_floor, cos_sin=False),
+                   does_op=False),
+    Implementation("pallas-mosaic-floor-cos-sin", "jax", "floor",
+                   functools.partial(_pallas_mosaic_floor, cos_sin=True), does_op=False),
     Implementation("xla-copy", "jax", "copy", _xla_copy, does_op=False),
     Implementation("torch-gemm", "torch", "materializer", materializers.torch_gemm, does_op=False),
     Implementation("torch-materializer", "torch", "materializer", materializers.torch_materialize,
