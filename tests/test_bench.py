@@ -831,6 +831,23 @@ def test_the_mosaic_floor_rows_copy_k_and_v_bit_for_bit_into_the_outputs_they_ar
     assert measurement.check == "ok" and measurement.seconds is not None
 
 
+@pytest.mark.parametrize("cos_sin", [False, True])
+@pytest.mark.parametrize("heads, head_dim, rotary_dim, tokens", [(8, 128, 128, 4096), (2, 256, 256, 16)])
+def test_the_mosaic_floor_lowers_for_a_gpu_writing_the_outputs_it_is_given(heads, head_dim, rotary_dim, tokens,
+                                                                           cos_sin):
+    # Mosaic GPU builds its IR in Python: its layouts and copies are checked without a GPU.
+    jax = pytest.importorskip("jax")
+    from interop.bench import mosaic_floors
+
+    output = jax.ShapeDtypeStruct((5, tokens, heads, head_dim), "bfloat16")
+    args = (jax.ShapeDtypeStruct((tokens, 5, 2 * heads * head_dim), "bfloat16"),
+            jax.ShapeDtypeStruct((100, rotary_dim), "float32"), jax.ShapeDtypeStruct((tokens,), "int32"), output, output)
+    copy = functools.partial(mosaic_floors.copy, num_kv_heads=heads, head_dim=head_dim, rotary_dim=rotary_dim,
+                             cos_sin=cos_sin, interpret=False)
+    text = jax.jit(copy).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "output_operand_aliases" in text
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the compiled kernel's rule")
 def test_the_mosaic_floor_rows_are_not_applicable_to_contexts_of_untiled_copies():
     (measurement,) = run(plan([MOSAIC_TINY], [4], [BY_NAME["pallas-mosaic-floor"]]), dtype="bfloat16",

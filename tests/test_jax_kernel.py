@@ -806,6 +806,20 @@ def test_mosaic_lowers_for_a_gpu(config, total_ctx):
     assert "mosaic_gpu" in jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.skipif(ON_GPU, reason="the GPU tests below compile the kernel for real")
+def test_mosaic_lowers_for_a_gpu_with_given_outputs_aliased_to_its_results():
+    config = FusedKVConfig(8, 128, 64, "neox")
+    output = jax.ShapeDtypeStruct(config.output_shape(5, 104), jnp.bfloat16)
+    args = (jax.ShapeDtypeStruct((104, 5, 2 * config.kv_size), jnp.bfloat16),
+            jax.ShapeDtypeStruct((5, config.head_dim), jnp.float32), jax.ShapeDtypeStruct((5,), jnp.float32),
+            jax.ShapeDtypeStruct((100, config.rotary_dim), jnp.float32), jax.ShapeDtypeStruct((104,), jnp.int32),
+            output, output)
+    call = functools.partial(fused_kv_norm_rope, **_static(config), interpret=False, lowering="mosaic_gpu")
+    step = jax.jit(lambda *a: call(*a[:5], k_out=a[5], v_out=a[6]), donate_argnums=(5, 6))
+    text = step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "output_operand_aliases" in text
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("config, n_layers, total_ctx, dtype", [
