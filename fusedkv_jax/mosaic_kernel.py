@@ -43,6 +43,7 @@ array's end, so there ``total_ctx`` must be a multiple of ``BLOCK_TOKENS``.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import jax
@@ -182,7 +183,17 @@ def _load(ref, layout, interpret):
     are small. Interpret mode has no layouts and no ``plgpu.load``."""
     if interpret:
         return ref[...]
-    return plgpu.load(ref, (), layout=layout, optimized=False)
+    return plgpu.load(ref, *_WHOLE_REF, layout=layout, optimized=False)
+
+
+def _whole_ref_index() -> tuple:
+    """``plgpu.load``'s index arguments for a whole ref: jax 0.10.2 requires one (``()``);
+    later versions take none and deprecate one given."""
+    index = inspect.signature(plgpu.load).parameters.get("idx")
+    return ((),) if index is not None and index.default is inspect.Parameter.empty else ()
+
+
+_WHOLE_REF = _whole_ref_index()
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))

@@ -745,6 +745,18 @@ def test_mosaic_given_outputs_without_donation_are_left_as_they_were():
     assert np.isnan(np.asarray(k_out, np.float32)).all() and np.isnan(np.asarray(v_out, np.float32)).all()
 
 
+@pytest.mark.parametrize("load, index", [
+    (lambda src, idx, *, layout=None, optimized=True: None, ((),)),  # jax 0.10.2: the index required
+    (lambda src, idx=None, *, layout=None, optimized=True: None, ()),  # optional, deprecated when given
+    (lambda src, *, layout=None, optimized=True: None, ()),
+], ids=["required", "optional", "gone"])
+def test_mosaic_passes_plgpu_load_an_index_only_where_its_jax_requires_one(load, index, monkeypatch):
+    from fusedkv_jax import mosaic_kernel
+
+    monkeypatch.setattr(mosaic_kernel.plgpu, "load", load)
+    assert mosaic_kernel._whole_ref_index() == index
+
+
 def test_default_lowering_is_triton():
     assert default_lowering(FusedKVConfig(8, 128, 128, "neox"), jnp.bfloat16) == "triton"
 
