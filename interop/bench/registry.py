@@ -199,16 +199,8 @@ def _pallas_mosaic_floor(workload: Workload, *, cos_sin: bool) -> Steps:
     if workload.total_ctx % 8:
         raise NotApplicable("the Mosaic GPU floor copies tiles of 8 rows: a multiple of 8 tokens")
     config = workload.shape.config
-    static = dict(num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
-
-    def step(fixed, varying, outputs):
-        kv, positions = varying
-        return mosaic_floors.copy(kv, fixed[2], positions, *outputs, **static, rotary_dim=config.rotary_dim,
-                                  cos_sin=cos_sin, interpret=interpret)
-
-    steps = op_steps(workload, step, kernel_target=None if interpret else MOSAIC_GPU_TARGET)
-    return dataclasses.replace(steps, check=lambda outputs, i: kv_copy_verdict(
-        outputs, workload.varying(i, "jax")[0], **static))
+    copy = functools.partial(mosaic_floors.copy, rotary_dim=config.rotary_dim, cos_sin=cos_sin, interpret=interpret)
+    return _floor_steps(workload, copy, kernel_target=None if interpret else MOSAIC_GPU_TARGET)
 
 
 def _pallas_eager(workload: Workload) -> Calls:
@@ -290,14 +282,22 @@ def _pallas_floor(workload: Workload, *, cos_sin: bool) -> Steps:
     from interop.bench import floors
 
     config = workload.shape.config
+    copy = functools.partial(floors.copy, rotary_dim=config.rotary_dim, rope_style=config.rope_style, cos_sin=cos_sin)
+    return _floor_steps(workload, copy)
+
+
+def _floor_steps(workload: Workload, copy: Callable, kernel_target: str | None = None) -> Steps:
+    """A JAX floor, ``copy(kv, cos_sin_cache, positions, k_dest, v_dest, *, num_kv_heads,
+    head_dim)``, over every input set, checked as a copy of K and V (``kernel_target``: see
+    :class:`~interop.bench.rows.Steps`)."""
+    config = workload.shape.config
     static = dict(num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
 
     def step(fixed, varying, outputs):
         kv, positions = varying
-        return tuple(floors.copy(kv, fixed[2], positions, *outputs, **static, rotary_dim=config.rotary_dim,
-                                 rope_style=config.rope_style, cos_sin=cos_sin))
+        return tuple(copy(kv, fixed[2], positions, *outputs, **static))
 
-    steps = op_steps(workload, step)
+    steps = op_steps(workload, step, kernel_target=kernel_target)
     return dataclasses.replace(steps, check=lambda outputs, i: kv_copy_verdict(
         outputs, workload.varying(i, "jax")[0], **static))
 
