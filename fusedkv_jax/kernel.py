@@ -61,6 +61,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from fusedkv_jax import devices
 from fusedkv_jax.partitioning import partitioned
 from fusedkv_jax.indices import narrow_for_jax
 from interop.core.reference import FP8_E4M3_MAX, FP8_SCALE_MAX, FP8_SCALE_MIN, SMALLEST_NORMAL_FP32
@@ -506,7 +507,7 @@ def loops_over_layers(total_ctx: int, n_layers: int, num_kv_heads: int, head_dim
         return False
     tile = pl.next_power_of_2(num_kv_heads) * pl.next_power_of_2(head_dim)
     block_tokens = max(1, _LAYER_LOOP_TILE_ELEMENTS // tile)
-    return pl.cdiv(total_ctx, block_tokens) >= _ONE_WAVE_PROGRAMS_PER_MULTIPROCESSOR * _multiprocessors()
+    return pl.cdiv(total_ctx, block_tokens) >= _ONE_WAVE_PROGRAMS_PER_MULTIPROCESSOR * devices.multiprocessors()
 
 
 def tile_heads(num_kv_heads: int, *, k_rows: bool, interpret: bool = False) -> int:
@@ -547,7 +548,7 @@ def default_tile(total_ctx: int, n_layers: int, num_kv_heads: int, head_dim: int
 
     if block_tokens is None and interpret:
         block_tokens = interpreted_block_tokens(total_ctx, block_heads, head_dim)
-    enough_programs = 1 if interpret else _MIN_PROGRAMS_PER_MULTIPROCESSOR * _multiprocessors()
+    enough_programs = 1 if interpret else _MIN_PROGRAMS_PER_MULTIPROCESSOR * devices.multiprocessors()
     if block_tokens is None:
         tile_elements = _LAYER_LOOP_TILE_ELEMENTS if layer_loop else _TILE_ELEMENTS
         block_tokens = max(1, tile_elements // (block_heads * block_dim))
@@ -565,19 +566,10 @@ def default_tile(total_ctx: int, n_layers: int, num_kv_heads: int, head_dim: int
             # Too few programs to fill the GPU: spread each over more threads so more
             # loads are in flight at once.
             run_elements_per_thread = max(1, run_elements_per_thread // 2)
-        elif not interpret and programs(block_tokens) <= _ONE_WAVE_PROGRAMS_PER_MULTIPROCESSOR * _multiprocessors():
+        elif not interpret and programs(block_tokens) <= _ONE_WAVE_PROGRAMS_PER_MULTIPROCESSOR * devices.multiprocessors():
             run_elements_per_thread *= 2
         num_warps = min(8, max(1, block_tokens * block_heads * run // (32 * run_elements_per_thread)))
     return block_tokens, block_heads, num_warps
-
-
-@functools.cache
-def _multiprocessors() -> int:
-    """The multiprocessors of jax's first GPU, 1 without a GPU."""
-    try:
-        return max(1, int(getattr(jax.devices("gpu")[0], "core_count", 1)))
-    except RuntimeError:  # no GPU backend
-        return 1
 
 
 @functools.partial(jax.jit, static_argnames=(

@@ -4,7 +4,9 @@ The math is :mod:`fusedkv_jax.kernel`'s (CONTRACT.md, Math); this module holds t
 kernel and its launcher only (validation stays in :mod:`interop.core.spec`, the public
 function and the choice of lowering in :mod:`fusedkv_jax.kernel`).
 
-One program per (block of 64 tokens, layer, head). Mosaic GPU on Hopper has no
+One program per (block of 64 tokens, layer, head); or, where the (block, layer)
+programs alone fill the GPU (:func:`loops_heads`), one per (block, layer) that loops over
+the heads, fetching the block's cos/sin rows once a layer. Mosaic GPU on Hopper has no
 array-index gather, so everything the kernel reads arrives by TMA copies whose starts
 are scalars: the ``[64, head_dim]`` K and V tiles of the head (``kv`` viewed as
 ``[total_ctx, n_layers, 2, heads, head_dim]``, a free reshape), the layer's norm
@@ -51,6 +53,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from fusedkv_jax import devices
 from interop.core.reference import SMALLEST_NORMAL_FP32
 from interop.core.spec import FusedKVConfig
 
@@ -62,6 +65,8 @@ _SHARED_BYTES = 200 * 1024  # of Hopper's 227 KiB per block, with room for the r
 # the Triton lowering.
 _KV_DTYPES = (jnp.bfloat16, jnp.float16)
 GRID_NAMES = ("block", "layer", "head")
+# Programs of every head loop over them only where they still give each multiprocessor this many.
+_PROGRAMS_PER_MULTIPROCESSOR = 2
 KERNEL_NAME = "fused_kv_norm_rope_mosaic"
 
 
@@ -83,6 +88,19 @@ def supports_context(total_ctx: int, *, interpret: bool) -> bool:
     if interpret:
         return total_ctx % BLOCK_TOKENS == 0
     return total_ctx <= 8 or total_ctx % 8 == 0
+
+
+def loops_heads(config: FusedKVConfig, total_ctx: int, n_layers: int, kv_dtype) -> bool:
+    """Whether a program takes every head of its block and layer (:func:`_heads_looped_kernel`)
+    rather than one: it fetches the block's cos/sin rows once a layer, not once a head,
+    and keeps the next head's K and V in flight. That pays where the ``(block, layer)``
+    programs alone still give every multiprocessor two, and needs tiled copies and room
+    for two K and two V tiles beside the K parts and the rows."""
+    itemsize = jnp.dtype(kv_dtype).itemsize
+    shared_bytes = BLOCK_TOKENS * (5 * config.head_dim * itemsize + 4 * config.rotary_dim)
+    programs = pl.cdiv(total_ctx, BLOCK_TOKENS) * n_layers
+    return (total_ctx % 8 == 0 and shared_bytes <= _SHARED_BYTES
+            and programs >= _PROGRAMS_PER_MULTIPROCESSOR * devices.multiprocessors())
 
 
 def _tile(shape, dtype, *, tiled: bool, start: int = 0):
@@ -122,19 +140,80 @@ def _fused_kv_block(
     # clips only at the end of the array (running on into the next layer) rather
     # than as a tensor copy that clips the rows past total_ctx.
     v_columns = [slice(None)] if tiled else [pl.ds(0, head_dim // 2), pl.ds(head_dim // 2, head_dim // 2)]
-    max_position = cos_sin_ref.shape[0]
-    half = rotary_dim // 2
-    first = program[0] * BLOCK_TOKENS
     layer, head = program[1:]
-    tokens = pl.ds(first, BLOCK_TOKENS)
+    tokens = pl.ds(program[0] * BLOCK_TOKENS, BLOCK_TOKENS)
 
     plgpu.copy_gmem_to_smem(positions_ref.at[tokens], positions_tile, positions_loaded)
     plgpu.copy_gmem_to_smem(kv_ref.at[tokens, layer, 0, head], k_tile, loaded)
     for v_tile, columns in zip(v_tiles, v_columns):
         plgpu.copy_gmem_to_smem(kv_ref.at[tokens, layer, 1, head, columns], v_tile, loaded)
     plgpu.copy_gmem_to_smem(weight_ref.at[layer], weight_tile, loaded)
-    eps = eps_ref[layer]
     plgpu.barrier_wait(positions_loaded)
+    _fetch_cos_sin_rows(cos_sin_ref, positions_tile, eps_ref[layer], cos_sin_tile, eps_rows, rows_loaded,
+                        tokens_per_block)
+
+    plgpu.barrier_wait(loaded)
+    for v_tile, columns in zip(v_tiles, v_columns):
+        plgpu.copy_smem_to_gmem(v_tile, v_out_ref.at[layer, tokens, head, columns])
+    normed = _normalized(_load(k_tile, plgpu.Layout.WGMMA, interpret),
+                         _load(weight_tile, plgpu.Layout.WGMMA.reduce(0), interpret),
+                         _load(eps_rows, plgpu.Layout.WGMMA.reduce(1), interpret), head_dim)
+    plgpu.barrier_wait(rows_loaded)
+    _store_k(_rotated(normed, _load(cos_sin_tile, plgpu.Layout.WGMMA, interpret), rotary_dim),
+             out_tiles, k_out_ref, (layer, tokens, head))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _heads_looped_kernel(
+    kv_ref, weight_ref, eps_ref, cos_sin_ref, positions_ref, k_out_ref, v_out_ref, *,
+    k_tiles, v_tiles, out_tiles, weight_tile, positions_tile, cos_sin_tile, eps_rows,
+    loaded, fixed_loaded, rows_loaded,
+    head_dim: int, rotary_dim: int, tokens_per_block: int, heads: int, interpret: bool,
+):
+    """Every head of one layer for ``BLOCK_TOKENS`` tokens: the grid point ``(block,
+    layer)``. The refs are :func:`_fused_kv_norm_rope_kernel`'s; the block's positions,
+    cos/sin rows and the layer's weight are fetched once, and the K and V tiles are
+    double-buffered (``k_tiles``/``v_tiles[2, BLOCK_TOKENS, head_dim]``, ``loaded[2]``):
+    the next head's arrive while a head is computed and stored."""
+    block, layer = (jax.lax.axis_index(name) for name in GRID_NAMES[:2])
+    tokens = pl.ds(block * BLOCK_TOKENS, BLOCK_TOKENS)
+
+    def fetch_head(head, slot):
+        plgpu.copy_gmem_to_smem(kv_ref.at[tokens, layer, 0, head], k_tiles.at[slot], loaded.at[slot])
+        plgpu.copy_gmem_to_smem(kv_ref.at[tokens, layer, 1, head], v_tiles.at[slot], loaded.at[slot])
+
+    plgpu.copy_gmem_to_smem(positions_ref.at[tokens], positions_tile, fixed_loaded)
+    plgpu.copy_gmem_to_smem(weight_ref.at[layer], weight_tile, fixed_loaded)
+    fetch_head(0, 0)
+    plgpu.barrier_wait(fixed_loaded)
+    _fetch_cos_sin_rows(cos_sin_ref, positions_tile, eps_ref[layer], cos_sin_tile, eps_rows, rows_loaded,
+                        tokens_per_block)
+    weight = _load(weight_tile, plgpu.Layout.WGMMA.reduce(0), interpret)
+    eps_row = _load(eps_rows, plgpu.Layout.WGMMA.reduce(1), interpret)
+    plgpu.barrier_wait(rows_loaded)
+    cos_sin = _load(cos_sin_tile, plgpu.Layout.WGMMA, interpret)
+
+    @pl.loop(0, heads)
+    def _head(head):
+        slot = jax.lax.rem(head, 2)
+        # The other slot and the K part tiles are free once the head before's stores have read them.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        @pl.when(head + 1 < heads)
+        def _fetch_next():
+            fetch_head(head + 1, 1 - slot)
+
+        plgpu.barrier_wait(loaded.at[slot])
+        plgpu.copy_smem_to_gmem(v_tiles.at[slot], v_out_ref.at[layer, tokens, head])
+        normed = _normalized(_load(k_tiles.at[slot], plgpu.Layout.WGMMA, interpret), weight, eps_row, head_dim)
+        _store_k(_rotated(normed, cos_sin, rotary_dim), out_tiles, k_out_ref, (layer, tokens, head))
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _fetch_cos_sin_rows(cos_sin_ref, positions_tile, eps, cos_sin_tile, eps_rows, rows_loaded, tokens_per_block):
+    """Copy each token's cos/sin row (arriving on ``rows_loaded``) and set its ``eps``."""
+    max_position = cos_sin_ref.shape[0]
 
     @pl.loop(0, tokens_per_block)
     def _fetch_row(token):
@@ -146,35 +225,37 @@ def _fused_kv_block(
                                 cos_sin_tile.at[pl.ds(token, 1)], rows_loaded)
         eps_rows[token] = jnp.where(in_range, eps, jnp.float32(jnp.nan))
 
-    plgpu.barrier_wait(loaded)
-    for v_tile, columns in zip(v_tiles, v_columns):
-        plgpu.copy_smem_to_gmem(v_tile, v_out_ref.at[layer, tokens, head, columns])
 
-    k = _load(k_tile, plgpu.Layout.WGMMA, interpret).astype(jnp.float32)
-    weight = _load(weight_tile, plgpu.Layout.WGMMA.reduce(0), interpret)
-    eps_row = _load(eps_rows, plgpu.Layout.WGMMA.reduce(1), interpret)
+def _normalized(k, weight, eps_row, head_dim: int):
+    """RMSNorm of each row (token) of a ``[BLOCK_TOKENS, head_dim]`` K tile, in fp32."""
+    k = k.astype(jnp.float32)
     sum_squares = jnp.sum(k * k, axis=1)
     mean_square_eps = sum_squares / head_dim + eps_row
     # The edge values of interop.core.reference, as the Triton lowering decides them per head row.
     inv_rms = jnp.where(mean_square_eps < SMALLEST_NORMAL_FP32, 0.0, jax.lax.rsqrt(mean_square_eps))
     inv_rms = jnp.where(sum_squares < jnp.inf, inv_rms, jnp.nan)
-    normed = (k * jax.lax.broadcast_in_dim(inv_rms, k.shape, (0,))
-              * jax.lax.broadcast_in_dim(weight, k.shape, (1,)))
-    plgpu.barrier_wait(rows_loaded)
-    cos_sin = _load(cos_sin_tile, plgpu.Layout.WGMMA, interpret)
+    return k * jax.lax.broadcast_in_dim(inv_rms, k.shape, (0,)) * jax.lax.broadcast_in_dim(weight, k.shape, (1,))
+
+
+def _rotated(normed, cos_sin, rotary_dim: int) -> list:
+    """The ``neox`` rotation of the first ``rotary_dim`` columns: the two rotated halves,
+    then the unrotated tail if any."""
+    half = rotary_dim // 2
     cos, sin = cos_sin[:, :half], cos_sin[:, half:]
     first_half, second_half = normed[:, :half], normed[:, half:rotary_dim]
-    parts = [first_half * cos - second_half * sin, second_half * cos + first_half * sin]
-    if rotary_dim < head_dim:
-        parts.append(normed[:, rotary_dim:])
-    starts = (0, half, rotary_dim)
+    tail = [normed[:, rotary_dim:]] if rotary_dim < normed.shape[1] else []
+    return [first_half * cos - second_half * sin, second_half * cos + first_half * sin, *tail]
+
+
+def _store_k(parts: list, out_tiles: list, k_out_ref, index: tuple):
+    """Copy the K parts out through their tiles into ``k_out_ref[*index]``, side by side."""
     for tile, part in zip(out_tiles, parts):
         tile[...] = part.astype(tile.dtype)
     plgpu.commit_smem()
-    for tile, start in zip(out_tiles, starts):
-        plgpu.copy_smem_to_gmem(
-            tile, k_out_ref.at[layer, tokens, head, pl.ds(start, tile.shape[1])])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    start = 0
+    for tile in out_tiles:
+        plgpu.copy_smem_to_gmem(tile, k_out_ref.at[(*index, pl.ds(start, tile.shape[1]))])
+        start += tile.shape[1]
 
 
 def _load(ref, layout, interpret):
@@ -236,24 +317,36 @@ class _Kernel:
         # Tiled copies move whole tiles of 8 rows: a context of another length takes the
         # untiled tiles (bank conflicts in their loads and stores).
         tiled = total_ctx % 8 == 0
-        self.scratch = dict(
-            k_tile=_tile((BLOCK_TOKENS, dim), dtype, tiled=tiled),
-            v_tiles=[_tile((BLOCK_TOKENS, dim), dtype, tiled=True)] if tiled else
-                    [_tile((BLOCK_TOKENS, dim // 2), dtype, tiled=False)] * 2,
+        shared = dict(
             out_tiles=[_tile((BLOCK_TOKENS, width), dtype, tiled=tiled, start=start)
                        for width, start in zip(widths, starts)],
             weight_tile=plgpu.SMEM((dim,), jnp.float32),
             positions_tile=plgpu.SMEM((BLOCK_TOKENS,), jnp.int32),
             cos_sin_tile=plgpu.SMEM((BLOCK_TOKENS, rotary_dim), jnp.float32),
             eps_rows=plgpu.SMEM((BLOCK_TOKENS,), jnp.float32),
-            loaded=plgpu.Barrier(num_arrivals=3 if tiled else 4),
-            positions_loaded=plgpu.Barrier(num_arrivals=1),
             rows_loaded=plgpu.Barrier(num_arrivals=tokens_per_block),
         )
-        self.body = functools.partial(
-            _fused_kv_norm_rope_kernel, head_dim=dim, rotary_dim=rotary_dim,
-            tokens_per_block=tokens_per_block, tiled=tiled, interpret=interpret)
-        self.grid = (pl.cdiv(total_ctx, BLOCK_TOKENS), n_layers, config.num_kv_heads)
+        if loops_heads(config, total_ctx, n_layers, dtype):
+            self.scratch = dict(
+                shared, k_tiles=_tile((2, BLOCK_TOKENS, dim), dtype, tiled=True),
+                v_tiles=_tile((2, BLOCK_TOKENS, dim), dtype, tiled=True),
+                loaded=plgpu.Barrier(num_arrivals=2, num_barriers=2), fixed_loaded=plgpu.Barrier(num_arrivals=2))
+            self.body = functools.partial(
+                _heads_looped_kernel, head_dim=dim, rotary_dim=rotary_dim, tokens_per_block=tokens_per_block,
+                heads=config.num_kv_heads, interpret=interpret)
+            self.grid_names = GRID_NAMES[:2]
+        else:
+            self.scratch = dict(
+                shared, k_tile=_tile((BLOCK_TOKENS, dim), dtype, tiled=tiled),
+                v_tiles=[_tile((BLOCK_TOKENS, dim), dtype, tiled=True)] if tiled else
+                        [_tile((BLOCK_TOKENS, dim // 2), dtype, tiled=False)] * 2,
+                loaded=plgpu.Barrier(num_arrivals=3 if tiled else 4),
+                positions_loaded=plgpu.Barrier(num_arrivals=1))
+            self.body = functools.partial(
+                _fused_kv_norm_rope_kernel, head_dim=dim, rotary_dim=rotary_dim,
+                tokens_per_block=tokens_per_block, tiled=tiled, interpret=interpret)
+            self.grid_names = GRID_NAMES
+        self.grid = (pl.cdiv(total_ctx, BLOCK_TOKENS), n_layers, config.num_kv_heads)[:len(self.grid_names)]
         self.output = jax.ShapeDtypeStruct(config.output_shape(n_layers, total_ctx), dtype)
         self.interpret = _interpret_params() if interpret else None
 
@@ -261,7 +354,7 @@ class _Kernel:
         """``(k_out, v_out)`` as new arrays; ``jax.vmap`` batches it (over a grid axis)."""
         return tuple(plgpu.kernel(
             self.body, out_type=[self.output] * 2, scratch_types=self.scratch, grid=self.grid,
-            grid_names=GRID_NAMES, compiler_params=plgpu.CompilerParams(), interpret=self.interpret,
+            grid_names=self.grid_names, compiler_params=plgpu.CompilerParams(), interpret=self.interpret,
             kernel_name=KERNEL_NAME,
         )(*operands))
 
@@ -274,7 +367,7 @@ class _Kernel:
         fresh = iter(pl.kernel(
             functools.partial(self._into_refs, given),
             out_type=tuple(self.output for ref in refs if ref is None),
-            mesh=plgpu.Mesh(grid=self.grid, grid_names=GRID_NAMES, kernel_name=KERNEL_NAME),
+            mesh=plgpu.Mesh(grid=self.grid, grid_names=self.grid_names, kernel_name=KERNEL_NAME),
             compiler_params=plgpu.CompilerParams(), interpret=self.interpret or False,
         )(*operands, *(ref for ref in refs if ref is not None)))
         return tuple(next(fresh) if ref is None else jax.freeze(ref) for ref in refs)

@@ -638,10 +638,11 @@ def test_the_floor_rows_copy_k_and_v_bit_for_bit_and_are_timed(looped, monkeypat
                          ids=str)
 def test_the_floor_takes_the_kernels_tile_of_the_same_rope_style(config, monkeypatch):
     jax = pytest.importorskip("jax")
+    from fusedkv_jax import devices
     from fusedkv_jax import kernel as pallas_kernel
     from interop.bench import floors
 
-    monkeypatch.setattr(pallas_kernel, "_multiprocessors", lambda: 132)  # the tiles of an H200
+    monkeypatch.setattr(devices, "multiprocessors", lambda: 132)  # the tiles of an H200
     taken = []
     monkeypatch.setattr(pallas_kernel, "on_cpu", lambda kv: False)  # the GPU's tile, traced only
     monkeypatch.setattr(floors.pl, "pallas_call", lambda kernel, **options: taken.append(options) or (

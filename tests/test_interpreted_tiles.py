@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("jax")
 
-from fusedkv_jax import kernel as pallas_kernel  # noqa: E402
+from fusedkv_jax import devices  # noqa: E402
 from fusedkv_jax.kernel import default_tile as pallas_default_tile  # noqa: E402
 from fusedkv_torch.kernel import default_tile as triton_default_tile  # noqa: E402
 
@@ -32,7 +32,7 @@ def test_interpreted_triton_tiles_hold_many_tokens_and_heads(total_ctx, heads, h
 ])
 def test_interpreted_pallas_tiles_hold_many_tokens(total_ctx, heads, head_dim, expected, monkeypatch):
     assert pallas_default_tile(total_ctx, 5, heads, head_dim, interpret=True)[:2] == expected
-    monkeypatch.setattr(pallas_kernel, "_multiprocessors", lambda: 132)  # an H200's
+    monkeypatch.setattr(devices, "multiprocessors", lambda: 132)  # an H200's
     assert pallas_default_tile(total_ctx, 5, heads, head_dim)[0] < expected[0]
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from fusedkv_jax import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
+from fusedkv_jax import devices
 from fusedkv_jax import kernel as jax_kernel
 from fusedkv_jax.kernel import default_lowering
 from interop.core.arrays import numpy_dtype
@@ -197,7 +198,7 @@ def test_programs_that_take_every_layer_rotate_each_by_its_own_table(monkeypatch
 ])
 def test_programs_take_every_layer_when_a_wave_of_them_fills_the_gpu(monkeypatch, total_ctx, n_layers, config,
                                                                      looped, tile):
-    monkeypatch.setattr(jax_kernel, "_multiprocessors", lambda: 132)  # an H200's
+    monkeypatch.setattr(devices, "multiprocessors", lambda: 132)  # an H200's
     shape = (total_ctx, n_layers, config.num_kv_heads, config.head_dim)
     assert jax_kernel.loops_over_layers(*shape) is looped
     assert jax_kernel.loops_over_layers(*shape, interpret=True) is False
@@ -558,7 +559,7 @@ def test_a_traced_call_asks_no_tracer_for_its_devices_or_sharding(monkeypatch):
 ])
 def test_short_calls_split_tiles_of_more_than_2_kib_of_k_over_their_heads_until_the_gpu_is_filled(
         monkeypatch, total_ctx, n_layers, config, itemsize, tile):
-    monkeypatch.setattr(jax_kernel, "_multiprocessors", lambda: 132)  # an H200's
+    monkeypatch.setattr(devices, "multiprocessors", lambda: 132)  # an H200's
     shape = (total_ctx, n_layers, config.num_kv_heads, config.head_dim)
     options = dict(rotary_dim=config.rotary_dim, rope_style=config.rope_style, itemsize=itemsize)
     assert jax_kernel.default_tile(*shape, **options) == tile
@@ -583,7 +584,7 @@ def test_short_calls_split_tiles_of_more_than_2_kib_of_k_over_their_heads_until_
     (4096, 3, FusedKVConfig(32, 256, 256, "neox"), (1, 32, 8)),
 ])
 def test_tiles_that_load_k_as_rows_take_at_most_four_heads(monkeypatch, total_ctx, n_layers, config, tile):
-    monkeypatch.setattr(jax_kernel, "_multiprocessors", lambda: 132)  # an H200's
+    monkeypatch.setattr(devices, "multiprocessors", lambda: 132)  # an H200's
     shape = (total_ctx, n_layers, config.num_kv_heads, config.head_dim)
     chosen = jax_kernel.default_tile(*shape, rotary_dim=config.rotary_dim, rope_style=config.rope_style)
     every_head = 1 << (config.num_kv_heads - 1).bit_length()
@@ -610,7 +611,7 @@ def _triton_calls_lowered_for_a_gpu(call, *args) -> list[str]:
 ], ids=str)
 def test_a_one_token_call_lowered_for_a_gpu_splits_its_heads_by_the_bytes_of_its_kv(monkeypatch, config, kv_dtype,
                                                                                     head_blocks):
-    monkeypatch.setattr(jax_kernel, "_multiprocessors", lambda: 132)  # the tiles of an H200
+    monkeypatch.setattr(devices, "multiprocessors", lambda: 132)  # the tiles of an H200
     host = _inputs(config, n_layers=3, total_ctx=1, max_position=64, seed=5)
     call = functools.partial(fused_kv_norm_rope, **_static(config), interpret=False)
     text = jax.jit(call).trace(host[0].astype(kv_dtype), *host[1:]).lower(lowering_platforms=("cuda",)).as_text()
@@ -627,7 +628,7 @@ def test_a_one_token_call_lowered_for_a_gpu_splits_its_heads_by_the_bytes_of_its
 ], ids=lambda value: f"h{value.num_kv_heads}d{value.head_dim}r{value.rotary_dim}{value.rope_style}"
    if isinstance(value, FusedKVConfig) else str(value))
 def test_every_form_of_the_kernel_lowers_to_one_triton_call_without_a_gpu(monkeypatch, config, n_layers, total_ctx):
-    monkeypatch.setattr(jax_kernel, "_multiprocessors", lambda: 132)  # the tiles of an H200
+    monkeypatch.setattr(devices, "multiprocessors", lambda: 132)  # the tiles of an H200
     host = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, max_position=4096, seed=3)
     plain = functools.partial(fused_kv_norm_rope, **_static(config), interpret=False)
     assert len(_triton_calls_lowered_for_a_gpu(plain, *host)) == 1
@@ -681,6 +682,38 @@ def test_mosaic_matches_reference(config, n_layers, total_ctx, dtype, position_d
     assert k.shape == v.shape == config.output_shape(n_layers, total_ctx)
     assert k.dtype == v.dtype == host[0].dtype
     _assert_matches_reference(k, v, host, config)
+
+
+@pytest.mark.parametrize("n_layers, total_ctx, looped", [(1, 64, False), (3, 192, True)])
+def test_mosaic_programs_of_one_head_and_of_every_head_match_the_reference(n_layers, total_ctx, looped,
+                                                                           monkeypatch):
+    from fusedkv_jax import mosaic_kernel
+
+    monkeypatch.setattr(devices, "multiprocessors", lambda: 1)
+    config = FusedKVConfig(3, 64, 32, "neox")  # three heads, a rotary tail
+    assert mosaic_kernel.loops_heads(config, total_ctx, n_layers, jnp.bfloat16) is looped
+    host = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, seed=39 + total_ctx)
+    host = host[:4] + (np.where(np.arange(total_ctx) % 5 == 2, -1, host[4]).astype(host[4].dtype),)
+    k, v = fused_kv_norm_rope(*host, **_static(config), lowering="mosaic_gpu")
+    _assert_matches_reference(k, v, host, config)
+
+
+@pytest.mark.parametrize("config, total_ctx, n_layers, dtype, looped", [
+    (DRAFT, 4096, 5, jnp.bfloat16, True),  # 320 (block, layer) programs for 132 multiprocessors
+    (DRAFT, 256, 5, jnp.bfloat16, False),  # 20: a program a head
+    (DRAFT, 4100, 5, jnp.bfloat16, False),  # not a multiple of 8: untiled copies
+    (FusedKVConfig(8, 128, 128, "neox"), 16896, 1, jnp.float16, True),  # 264 programs: two a multiprocessor
+    (FusedKVConfig(8, 128, 128, "neox"), 16832, 1, jnp.float16, False),  # 263
+    (FusedKVConfig(4, 192, 96, "neox"), 32768, 8, jnp.bfloat16, True),
+    (FusedKVConfig(2, 256, 256, "neox"), 32768, 5, jnp.bfloat16, False),  # two K and two V tiles do not fit
+], ids=lambda value: f"h{value.num_kv_heads}d{value.head_dim}r{value.rotary_dim}"
+   if isinstance(value, FusedKVConfig) else str(value))
+def test_mosaic_programs_loop_over_the_heads_where_block_layer_programs_give_each_multiprocessor_two(
+        config, total_ctx, n_layers, dtype, looped, monkeypatch):
+    from fusedkv_jax import mosaic_kernel
+
+    monkeypatch.setattr(devices, "multiprocessors", lambda: 132)  # an H200's
+    assert mosaic_kernel.loops_heads(config, total_ctx, n_layers, dtype) is looped
 
 
 @pytest.mark.parametrize("table_dtype", ["bfloat16", "float16"])
@@ -838,6 +871,7 @@ def test_mosaic_lowers_for_a_gpu_with_given_outputs_aliased_to_its_results():
     (DRAFT, 5, 1, "bfloat16"), (DRAFT, 5, 4096, "bfloat16"), (FusedKVConfig(8, 128, 64, "neox"), 8, 72, "bfloat16"),
     (FusedKVConfig(1, 96, 96, "neox"), 1, 7, "bfloat16"), (FusedKVConfig(3, 128, 96, "neox"), 2, 200, "float16"),
     (FusedKVConfig(2, 256, 256, "neox"), 5, 136, "bfloat16"),
+    (FusedKVConfig(4, 128, 64, "neox"), 8, 2104, "float16"),  # heads looped over, a partial last block
 ])
 def test_gpu_mosaic_matches_reference(config, n_layers, total_ctx, dtype):
     host = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, max_position=32768, dtype=dtype,
