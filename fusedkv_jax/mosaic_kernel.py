@@ -4,9 +4,9 @@ The math is :mod:`fusedkv_jax.kernel`'s (CONTRACT.md, Math); this module holds t
 kernel and its launcher only (validation stays in :mod:`interop.core.spec`, the public
 function and the choice of lowering in :mod:`fusedkv_jax.kernel`).
 
-One program per (block of 64 tokens, layer, head); or, where the (block, layer)
-programs alone fill the GPU (:func:`loops_heads`), one per (block, layer) that loops over
-the heads, fetching the block's cos/sin rows once a layer. Mosaic GPU on Hopper has no
+One program per (block of 64 tokens, layer, head); or, where fewer programs still fill
+the GPU (:func:`heads_per_program`), one per (block, layer, group of heads) that loops
+over its heads, fetching the block's cos/sin rows once for them all. Mosaic GPU on Hopper has no
 array-index gather, so everything the kernel reads arrives by TMA copies whose starts
 are scalars: the ``[64, head_dim]`` K and V tiles of the head (``kv`` viewed as
 ``[total_ctx, n_layers, 2, heads, head_dim]``, a free reshape), the layer's norm
@@ -64,8 +64,8 @@ _SHARED_BYTES = 200 * 1024  # of Hopper's 227 KiB per block, with room for the r
 # fp32 kv ends in CUDA_ERROR_MISALIGNED_ADDRESS on Hopper (jax 0.11.2), so it stays on
 # the Triton lowering.
 _KV_DTYPES = (jnp.bfloat16, jnp.float16)
-GRID_NAMES = ("block", "layer", "head")
-# Programs of every head loop over them only where they still give each multiprocessor this many.
+GRID_NAMES = ("block", "layer", "head")  # "head": a group of heads where a program loops over them
+# Programs of several heads loop over them only where they still give each multiprocessor this many.
 _PROGRAMS_PER_MULTIPROCESSOR = 2
 KERNEL_NAME = "fused_kv_norm_rope_mosaic"
 
@@ -90,17 +90,21 @@ def supports_context(total_ctx: int, *, interpret: bool) -> bool:
     return total_ctx <= 8 or total_ctx % 8 == 0
 
 
-def loops_heads(config: FusedKVConfig, total_ctx: int, n_layers: int, kv_dtype) -> bool:
-    """Whether a program takes every head of its block and layer (:func:`_heads_looped_kernel`)
-    rather than one: it fetches the block's cos/sin rows once a layer, not once a head,
-    and keeps the next head's K and V in flight. That pays where the ``(block, layer)``
-    programs alone still give every multiprocessor two, and needs tiled copies and room
-    for two K and two V tiles beside the K parts and the rows."""
+def heads_per_program(config: FusedKVConfig, total_ctx: int, n_layers: int, kv_dtype) -> int:
+    """The heads a program takes (:func:`_heads_looped_kernel` where more than one): the
+    most that divide the heads and still leave every multiprocessor two programs. A
+    program of several heads fetches the block's cos/sin rows once for all of them and
+    keeps the next head's K and V in flight; it needs tiled copies and room for two K and
+    two V tiles beside the K parts and the rows (one head a program otherwise)."""
     itemsize = jnp.dtype(kv_dtype).itemsize
     shared_bytes = BLOCK_TOKENS * (5 * config.head_dim * itemsize + 4 * config.rotary_dim)
-    programs = pl.cdiv(total_ctx, BLOCK_TOKENS) * n_layers
-    return (total_ctx % 8 == 0 and shared_bytes <= _SHARED_BYTES
-            and programs >= _PROGRAMS_PER_MULTIPROCESSOR * devices.multiprocessors())
+    if total_ctx % 8 or shared_bytes > _SHARED_BYTES:
+        return 1
+    heads = config.num_kv_heads
+    block_layers = pl.cdiv(total_ctx, BLOCK_TOKENS) * n_layers
+    enough = _PROGRAMS_PER_MULTIPROCESSOR * devices.multiprocessors()
+    return max(group for group in range(1, heads + 1)
+               if heads % group == 0 and (group == 1 or block_layers * (heads // group) >= enough))
 
 
 def _tile(shape, dtype, *, tiled: bool, start: int = 0):
@@ -170,17 +174,18 @@ def _heads_looped_kernel(
     loaded, fixed_loaded, rows_loaded,
     head_dim: int, rotary_dim: int, tokens_per_block: int, heads: int, interpret: bool,
 ):
-    """Every head of one layer for ``BLOCK_TOKENS`` tokens: the grid point ``(block,
-    layer)``. The refs are :func:`_fused_kv_norm_rope_kernel`'s; the block's positions,
-    cos/sin rows and the layer's weight are fetched once, and the K and V tiles are
-    double-buffered (``k_tiles``/``v_tiles[2, BLOCK_TOKENS, head_dim]``, ``loaded[2]``):
-    the next head's arrive while a head is computed and stored."""
-    block, layer = (jax.lax.axis_index(name) for name in GRID_NAMES[:2])
+    """``heads`` heads of one layer for ``BLOCK_TOKENS`` tokens, from head ``group * heads``:
+    the grid point ``(block, layer, group)``. The refs are :func:`_fused_kv_norm_rope_kernel`'s;
+    the block's positions, cos/sin rows and the layer's weight are fetched once, and the K
+    and V tiles are double-buffered (``k_tiles``/``v_tiles[2, BLOCK_TOKENS, head_dim]``,
+    ``loaded[2]``): the next head's arrive while a head is computed and stored."""
+    block, layer, group = (jax.lax.axis_index(name) for name in GRID_NAMES)
     tokens = pl.ds(block * BLOCK_TOKENS, BLOCK_TOKENS)
+    first_head = group * heads
 
     def fetch_head(head, slot):
-        plgpu.copy_gmem_to_smem(kv_ref.at[tokens, layer, 0, head], k_tiles.at[slot], loaded.at[slot])
-        plgpu.copy_gmem_to_smem(kv_ref.at[tokens, layer, 1, head], v_tiles.at[slot], loaded.at[slot])
+        plgpu.copy_gmem_to_smem(kv_ref.at[tokens, layer, 0, first_head + head], k_tiles.at[slot], loaded.at[slot])
+        plgpu.copy_gmem_to_smem(kv_ref.at[tokens, layer, 1, first_head + head], v_tiles.at[slot], loaded.at[slot])
 
     plgpu.copy_gmem_to_smem(positions_ref.at[tokens], positions_tile, fixed_loaded)
     plgpu.copy_gmem_to_smem(weight_ref.at[layer], weight_tile, fixed_loaded)
@@ -204,9 +209,9 @@ def _heads_looped_kernel(
             fetch_head(head + 1, 1 - slot)
 
         plgpu.barrier_wait(loaded.at[slot])
-        plgpu.copy_smem_to_gmem(v_tiles.at[slot], v_out_ref.at[layer, tokens, head])
+        plgpu.copy_smem_to_gmem(v_tiles.at[slot], v_out_ref.at[layer, tokens, first_head + head])
         normed = _normalized(_load(k_tiles.at[slot], plgpu.Layout.WGMMA, interpret), weight, eps_row, head_dim)
-        _store_k(_rotated(normed, cos_sin, rotary_dim), out_tiles, k_out_ref, (layer, tokens, head))
+        _store_k(_rotated(normed, cos_sin, rotary_dim), out_tiles, k_out_ref, (layer, tokens, first_head + head))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -326,15 +331,15 @@ class _Kernel:
             eps_rows=plgpu.SMEM((BLOCK_TOKENS,), jnp.float32),
             rows_loaded=plgpu.Barrier(num_arrivals=tokens_per_block),
         )
-        if loops_heads(config, total_ctx, n_layers, dtype):
+        heads = heads_per_program(config, total_ctx, n_layers, dtype)
+        if heads > 1:
             self.scratch = dict(
                 shared, k_tiles=_tile((2, BLOCK_TOKENS, dim), dtype, tiled=True),
                 v_tiles=_tile((2, BLOCK_TOKENS, dim), dtype, tiled=True),
                 loaded=plgpu.Barrier(num_arrivals=2, num_barriers=2), fixed_loaded=plgpu.Barrier(num_arrivals=2))
             self.body = functools.partial(
                 _heads_looped_kernel, head_dim=dim, rotary_dim=rotary_dim, tokens_per_block=tokens_per_block,
-                heads=config.num_kv_heads, interpret=interpret)
-            self.grid_names = GRID_NAMES[:2]
+                heads=heads, interpret=interpret)
         else:
             self.scratch = dict(
                 shared, k_tile=_tile((BLOCK_TOKENS, dim), dtype, tiled=tiled),
@@ -345,8 +350,7 @@ class _Kernel:
             self.body = functools.partial(
                 _fused_kv_norm_rope_kernel, head_dim=dim, rotary_dim=rotary_dim,
                 tokens_per_block=tokens_per_block, tiled=tiled, interpret=interpret)
-            self.grid_names = GRID_NAMES
-        self.grid = (pl.cdiv(total_ctx, BLOCK_TOKENS), n_layers, config.num_kv_heads)[:len(self.grid_names)]
+        self.grid = (pl.cdiv(total_ctx, BLOCK_TOKENS), n_layers, config.num_kv_heads // heads)
         self.output = jax.ShapeDtypeStruct(config.output_shape(n_layers, total_ctx), dtype)
         self.interpret = _interpret_params() if interpret else None
 
@@ -354,7 +358,7 @@ class _Kernel:
         """``(k_out, v_out)`` as new arrays; ``jax.vmap`` batches it (over a grid axis)."""
         return tuple(plgpu.kernel(
             self.body, out_type=[self.output] * 2, scratch_types=self.scratch, grid=self.grid,
-            grid_names=self.grid_names, compiler_params=plgpu.CompilerParams(), interpret=self.interpret,
+            grid_names=GRID_NAMES, compiler_params=plgpu.CompilerParams(), interpret=self.interpret,
             kernel_name=KERNEL_NAME,
         )(*operands))
 
@@ -367,7 +371,7 @@ class _Kernel:
         fresh = iter(pl.kernel(
             functools.partial(self._into_refs, given),
             out_type=tuple(self.output for ref in refs if ref is None),
-            mesh=plgpu.Mesh(grid=self.grid, grid_names=self.grid_names, kernel_name=KERNEL_NAME),
+            mesh=plgpu.Mesh(grid=self.grid, grid_names=GRID_NAMES, kernel_name=KERNEL_NAME),
             compiler_params=plgpu.CompilerParams(), interpret=self.interpret or False,
         )(*operands, *(ref for ref in refs if ref is not None)))
         return tuple(next(fresh) if ref is None else jax.freeze(ref) for ref in refs)

@@ -684,36 +684,39 @@ def test_mosaic_matches_reference(config, n_layers, total_ctx, dtype, position_d
     _assert_matches_reference(k, v, host, config)
 
 
-@pytest.mark.parametrize("n_layers, total_ctx, looped", [(1, 64, False), (3, 192, True)])
-def test_mosaic_programs_of_one_head_and_of_every_head_match_the_reference(n_layers, total_ctx, looped,
-                                                                           monkeypatch):
+@pytest.mark.parametrize("n_layers, total_ctx, heads", [(1, 64, 1), (1, 256, 2), (3, 192, 4)])
+def test_mosaic_programs_of_one_head_a_group_of_heads_and_every_head_match_the_reference(n_layers, total_ctx, heads,
+                                                                                         monkeypatch):
     from fusedkv_jax import mosaic_kernel
 
-    monkeypatch.setattr(devices, "multiprocessors", lambda: 1)
-    config = FusedKVConfig(3, 64, 32, "neox")  # three heads, a rotary tail
-    assert mosaic_kernel.loops_heads(config, total_ctx, n_layers, jnp.bfloat16) is looped
+    monkeypatch.setattr(devices, "multiprocessors", lambda: 4)
+    config = FusedKVConfig(4, 64, 32, "neox")  # four heads, a rotary tail
+    assert mosaic_kernel.heads_per_program(config, total_ctx, n_layers, jnp.bfloat16) == heads
     host = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, seed=39 + total_ctx)
     host = host[:4] + (np.where(np.arange(total_ctx) % 5 == 2, -1, host[4]).astype(host[4].dtype),)
     k, v = fused_kv_norm_rope(*host, **_static(config), lowering="mosaic_gpu")
     _assert_matches_reference(k, v, host, config)
 
 
-@pytest.mark.parametrize("config, total_ctx, n_layers, dtype, looped", [
-    (DRAFT, 4096, 5, jnp.bfloat16, True),  # 320 (block, layer) programs for 132 multiprocessors
-    (DRAFT, 256, 5, jnp.bfloat16, False),  # 20: a program a head
-    (DRAFT, 4100, 5, jnp.bfloat16, False),  # not a multiple of 8: untiled copies
-    (FusedKVConfig(8, 128, 128, "neox"), 16896, 1, jnp.float16, True),  # 264 programs: two a multiprocessor
-    (FusedKVConfig(8, 128, 128, "neox"), 16832, 1, jnp.float16, False),  # 263
-    (FusedKVConfig(4, 192, 96, "neox"), 32768, 8, jnp.bfloat16, True),
-    (FusedKVConfig(2, 256, 256, "neox"), 32768, 5, jnp.bfloat16, False),  # two K and two V tiles do not fit
+@pytest.mark.parametrize("config, total_ctx, n_layers, dtype, heads", [
+    (DRAFT, 4096, 5, jnp.bfloat16, 8),  # 320 (block, layer) programs for 132 multiprocessors
+    (DRAFT, 256, 5, jnp.bfloat16, 1),  # 20 (block, layer): even 80 programs of 2 heads are too few
+    (DRAFT, 4100, 5, jnp.bfloat16, 1),  # not a multiple of 8: untiled copies
+    (FusedKVConfig(8, 128, 128, "neox"), 16896, 1, jnp.float16, 8),  # 264 programs: two a multiprocessor
+    (FusedKVConfig(8, 128, 128, "neox"), 16832, 1, jnp.float16, 4),  # 263: programs of half the heads
+    (FusedKVConfig(8, 64, 32, "neox"), 4096, 3, jnp.bfloat16, 4),
+    (FusedKVConfig(8, 192, 192, "neox"), 4096, 1, jnp.bfloat16, 1),  # 256 programs of 2 heads: too few
+    (FusedKVConfig(6, 64, 64, "neox"), 6400, 1, jnp.bfloat16, 2),  # 100 (block, layer): heads not a power of 2
+    (FusedKVConfig(4, 192, 96, "neox"), 32768, 8, jnp.bfloat16, 4),
+    (FusedKVConfig(2, 256, 256, "neox"), 32768, 5, jnp.bfloat16, 1),  # two K and two V tiles do not fit
 ], ids=lambda value: f"h{value.num_kv_heads}d{value.head_dim}r{value.rotary_dim}"
    if isinstance(value, FusedKVConfig) else str(value))
-def test_mosaic_programs_loop_over_the_heads_where_block_layer_programs_give_each_multiprocessor_two(
-        config, total_ctx, n_layers, dtype, looped, monkeypatch):
+def test_mosaic_programs_take_the_most_heads_that_leave_each_multiprocessor_two_programs(
+        config, total_ctx, n_layers, dtype, heads, monkeypatch):
     from fusedkv_jax import mosaic_kernel
 
     monkeypatch.setattr(devices, "multiprocessors", lambda: 132)  # an H200's
-    assert mosaic_kernel.loops_heads(config, total_ctx, n_layers, dtype) is looped
+    assert mosaic_kernel.heads_per_program(config, total_ctx, n_layers, dtype) == heads
 
 
 @pytest.mark.parametrize("table_dtype", ["bfloat16", "float16"])
@@ -872,6 +875,7 @@ def test_mosaic_lowers_for_a_gpu_with_given_outputs_aliased_to_its_results():
     (FusedKVConfig(1, 96, 96, "neox"), 1, 7, "bfloat16"), (FusedKVConfig(3, 128, 96, "neox"), 2, 200, "float16"),
     (FusedKVConfig(2, 256, 256, "neox"), 5, 136, "bfloat16"),
     (FusedKVConfig(4, 128, 64, "neox"), 8, 2104, "float16"),  # heads looped over, a partial last block
+    (FusedKVConfig(8, 64, 32, "neox"), 3, 4096, "bfloat16"),  # programs of 4 of the 8 heads on 132 multiprocessors
 ])
 def test_gpu_mosaic_matches_reference(config, n_layers, total_ctx, dtype):
     host = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, max_position=32768, dtype=dtype,
