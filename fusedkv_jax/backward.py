@@ -204,27 +204,23 @@ _first_order_backward = refusing_derivatives(
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _differentiable_mosaic_launch(options: tuple, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest):
+def _differentiable_mosaic_launch(options: tuple, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest,
+                                  v_multiplier, layer_rope_table):
     """:func:`fusedkv_jax.mosaic_kernel.launch`, differentiable: its backward is this module's
     kernel (Mosaic GPU has none), on the tile the Triton lowering's forward would take."""
     options = dict(options)
-    return mosaic_kernel.launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest,
-                                config=options["config"], interpret=options["interpret"])
+    return mosaic_kernel.launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, v_multiplier,
+                                layer_rope_table, config=options["config"], interpret=options["interpret"])
 
 
-def _mosaic_forward(options, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest):
+def _mosaic_forward(options, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, v_multiplier,
+                    layer_rope_table):
     outputs = _differentiable_mosaic_launch(options, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest,
-                                            v_dest)
-    return outputs, (kv, k_norm_weight, eps, cos_sin_cache, positions, None, None)
+                                            v_dest, v_multiplier, layer_rope_table)
+    return outputs, (kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table)
 
 
-def _mosaic_backward(options, residuals, cotangents):
-    # The plain call's gradients: kv's, the weight's, and zero cotangents for eps, the table,
-    # positions and the outputs.
-    return _backward(options, residuals, cotangents)[:7]
-
-
-_differentiable_mosaic_launch.defvjp(_mosaic_forward, _mosaic_backward)
+_differentiable_mosaic_launch.defvjp(_mosaic_forward, _backward)
 
 # Jitted: called eagerly, a custom_vjp traces its function on every call; a jit once per shape.
 differentiable_launch = jax.jit(_differentiable_launch, static_argnums=0)

@@ -22,11 +22,14 @@ Triton-specific here is :func:`_load`, :func:`_store` and :func:`_launch`'s
 ``lowering="mosaic_gpu"`` runs :mod:`fusedkv_jax.mosaic_kernel` (Mosaic GPU has no
 gather on Hopper: TMA copies with scalar starts fetch one cos/sin row per token). It
 takes ``neox`` with rotary halves and tail in multiples of 8 columns, and ``total_ctx``
-at most 8 or a multiple of 8 (a multiple of 64 in interpret mode); other calls with it
-are refused. It is not the default because it is slower: it passes the reference
-checks on the GPU, but timed in jit as a jit user runs it (``fusedkv bench``'s
-``pallas-mosaic`` row, which checks that the compiled jit launches it once per call)
-it loses to the Triton lowering at every size (BENCHMARKS.md). It writes a caller's
+at most 8 or a multiple of 8 (a multiple of 64 in interpret mode), with every option
+of the op (no K-norm, ``v_multiplier``, ``layer_rope_table``); other calls with it are
+refused. It is not the default because it is slower where it matters most: it passes
+the reference checks on the GPU, but timed in jit as a jit user runs it (``fusedkv
+bench``'s ``pallas-mosaic`` row, which checks that the compiled jit launches it once per
+call) it matches the Triton lowering only at long contexts with many heads a program,
+and loses at short ones, where its per-token cos/sin copies cost more than the Triton
+lowering's whole call (BENCHMARKS.md). It writes a caller's
 ``k_out``/``v_out`` in place through refs (under a jit that donates them), but not
 under ``jax.vmap``, which batches it only with fresh outputs. The paged-cache entry point
 stays on Triton: its slots scatter rows to data-dependent places, which a Mosaic GPU
@@ -798,9 +801,7 @@ def fused_kv_norm_rope_accepted(accepted: AcceptedCall, kv, k_norm_weight, eps, 
     call = accepted.shape
     options = _launch_options(call, kv, block_tokens, block_heads, num_warps, interpret)
     lowering = _lowering(lowering, call, kv.dtype, options["interpret"],
-                         tuned=(block_tokens, block_heads, num_warps) != (None, None, None),
-                         plain=k_norm_weight is not None and v_multiplier is None,
-                         one_table=layer_rope_table is None)
+                         tuned=(block_tokens, block_heads, num_warps) != (None, None, None))
     if call.total_ctx == 0 or call.n_layers == 0:
         empty = jnp.empty(call.output_shape, kv.dtype)
         return (empty if k_out is None else k_out), (empty if v_out is None else v_out)
@@ -808,7 +809,7 @@ def fused_kv_norm_rope_accepted(accepted: AcceptedCall, kv, k_norm_weight, eps, 
     # Differentiable (jax.grad, jax.vjp): fusedkv_jax.backward's custom_vjp around the same launch.
     if lowering == "mosaic_gpu":
         return backward.differentiable_mosaic_launch(tuple(options.items()), kv, k_norm_weight, eps, cos_sin_cache,
-                                                     positions, k_out, v_out)
+                                                     positions, k_out, v_out, v_multiplier, layer_rope_table)
     return backward.differentiable_launch(tuple(options.items()), kv, k_norm_weight, eps, cos_sin_cache, positions,
                                           k_out, v_out, v_multiplier, layer_rope_table)
 
@@ -842,10 +843,8 @@ def default_lowering(config: FusedKVConfig, kv_dtype, *, interpret: bool = False
     return "triton"
 
 
-def _lowering(lowering, call, kv_dtype, interpret: bool, *, tuned: bool, plain: bool, one_table: bool) -> str:
-    """The lowering named (checked against what it can run), or the default. ``plain``: the
-    call has a K-norm and no V multiplier, and ``one_table``: one cos/sin table for every
-    layer, the only form the Mosaic GPU kernel has."""
+def _lowering(lowering, call, kv_dtype, interpret: bool, *, tuned: bool) -> str:
+    """The lowering named (checked against what it can run), or the default."""
     if lowering is None:
         return default_lowering(call.config, kv_dtype, interpret=interpret)
     if lowering not in LOWERINGS:
@@ -860,14 +859,6 @@ def _lowering(lowering, call, kv_dtype, interpret: bool, *, tuned: bool, plain: 
                 f"rotary_dim={config.rotary_dim}, dtype={jnp.dtype(kv_dtype).name}, expected "
                 "'triton' (Mosaic GPU takes bf16/fp16 neox with rotary halves and tail in "
                 "multiples of 8 columns and 32 bytes, head_dim <= 256).")
-        if not plain:
-            raise ValueError("Invalid lowering for fused KV materialization: got 'mosaic_gpu' for a call "
-                             "without a K-norm or with a v_multiplier, expected 'triton' (the Mosaic GPU "
-                             "kernel normalizes K and copies V).")
-        if not one_table:
-            raise ValueError("Invalid lowering for fused KV materialization: got 'mosaic_gpu' for a call with a "
-                             "layer_rope_table, expected 'triton' (the Mosaic GPU kernel reads one cos/sin table "
-                             "for every layer).")
         if tuned:
             raise ValueError("Invalid tile override for fused KV materialization: got "
                              "block_tokens/block_heads/num_warps with lowering='mosaic_gpu', "

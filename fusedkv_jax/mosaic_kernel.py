@@ -20,7 +20,7 @@ each part is copied out from its own shared-memory tile. With ``total_ctx`` a mu
 of 8 the tiles are swizzled and every copy is a tiled TMA copy, which fills the rows
 past ``total_ctx`` of the last block with zeros on the way in and clips them on the way
 out; otherwise the tiles are plain (their register loads and stores have bank
-conflicts) and V moves in two column halves (see :func:`_fused_kv_block`).
+conflicts) and V moves in two column halves (see :func:`_one_head_kernel`).
 
 What it serves: ``neox`` with ``rotary_dim / 2`` and ``head_dim - rotary_dim`` each a
 multiple of 8 and a multiple of 32 bytes (the narrowest swizzle), ``kv`` in bf16/fp16, ``head_dim`` up to
@@ -47,6 +47,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -118,83 +119,86 @@ def _tile(shape, dtype, *, tiled: bool, start: int = 0):
         plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
 
 
-def _fused_kv_norm_rope_kernel(*refs, head_dim: int, rotary_dim: int, tokens_per_block: int, tiled: bool,
-                               interpret: bool, **scratch):
-    """K and V of one head for one layer and ``BLOCK_TOKENS`` tokens: the grid point
-    ``(block, layer, head)`` of ``plgpu.kernel``.
+class _Refs(NamedTuple):
+    """The kernel's arrays in global memory. ``kv[total_ctx, n_layers, 2, heads, head_dim]``,
+    ``cos_sin[max_pos, rotary_dim]`` fp32 (``[n_tables, max_pos, rotary_dim]`` with ``table``;
+    a bf16 or fp16 table is converted before the launch), ``positions[total_ctx]`` int32,
+    ``k_out, v_out[n_layers, total_ctx, heads, head_dim]``; the options, None where not
+    taken: the K-norm's ``weight[n_layers, head_dim]`` fp32 and ``eps[n_layers]`` fp32,
+    ``v_multiplier[n_layers]`` fp32, ``table[n_layers]`` int32 (``layer_rope_table``)."""
 
-    Refs (in global memory): ``kv[total_ctx, n_layers, 2, heads, head_dim]``,
-    ``weight[n_layers, head_dim]`` fp32, ``eps[n_layers]``, ``cos_sin[max_pos,
-    rotary_dim]`` fp32 (a bf16 or fp16 table is converted before the launch), ``positions[total_ctx]`` int32, ``k_out, v_out[n_layers, total_ctx,
-    heads, head_dim]``; then the shared-memory tiles and barriers, by name.
-    """
-    _fused_kv_block(*refs, program=tuple(jax.lax.axis_index(name) for name in GRID_NAMES),
-                    head_dim=head_dim, rotary_dim=rotary_dim, tokens_per_block=tokens_per_block,
-                    tiled=tiled, interpret=interpret, **scratch)
+    kv: Any
+    cos_sin: Any
+    positions: Any
+    k_out: Any
+    v_out: Any
+    weight: Any = None
+    eps: Any = None
+    v_multiplier: Any = None
+    table: Any = None
 
 
-def _fused_kv_block(
-    kv_ref, weight_ref, eps_ref, cos_sin_ref, positions_ref, k_out_ref, v_out_ref, *,
-    k_tile, v_tiles, out_tiles, weight_tile, positions_tile, cos_sin_tile, eps_rows,
-    loaded, positions_loaded, rows_loaded, program,
+def _one_head_kernel(
+    refs: _Refs, *, k_tile, v_tiles, out_tiles, positions_tile, cos_sin_tile, row_terms,
+    loaded, positions_loaded, rows_loaded, weight_tile=None,
     head_dim: int, rotary_dim: int, tokens_per_block: int, tiled: bool, interpret: bool,
 ):
+    """K and V of one head for one layer and ``BLOCK_TOKENS`` tokens: the grid point
+    ``(block, layer, head)``; the shared-memory tiles and barriers come by name."""
     # Untiled, V moves in two column halves: a copy out of whole rows of a one-head
     # output is one contiguous run of memory, which Mosaic does as a bulk copy that
     # clips only at the end of the array (running on into the next layer) rather
     # than as a tensor copy that clips the rows past total_ctx.
     v_columns = [slice(None)] if tiled else [pl.ds(0, head_dim // 2), pl.ds(head_dim // 2, head_dim // 2)]
-    layer, head = program[1:]
-    tokens = pl.ds(program[0] * BLOCK_TOKENS, BLOCK_TOKENS)
+    block, layer, head = (jax.lax.axis_index(name) for name in GRID_NAMES)
+    tokens = pl.ds(block * BLOCK_TOKENS, BLOCK_TOKENS)
 
-    plgpu.copy_gmem_to_smem(positions_ref.at[tokens], positions_tile, positions_loaded)
-    plgpu.copy_gmem_to_smem(kv_ref.at[tokens, layer, 0, head], k_tile, loaded)
+    plgpu.copy_gmem_to_smem(refs.positions.at[tokens], positions_tile, positions_loaded)
+    plgpu.copy_gmem_to_smem(refs.kv.at[tokens, layer, 0, head], k_tile, loaded)
     for v_tile, columns in zip(v_tiles, v_columns):
-        plgpu.copy_gmem_to_smem(kv_ref.at[tokens, layer, 1, head, columns], v_tile, loaded)
-    plgpu.copy_gmem_to_smem(weight_ref.at[layer], weight_tile, loaded)
+        plgpu.copy_gmem_to_smem(refs.kv.at[tokens, layer, 1, head, columns], v_tile, loaded)
+    if weight_tile is not None:
+        plgpu.copy_gmem_to_smem(refs.weight.at[layer], weight_tile, loaded)
     plgpu.barrier_wait(positions_loaded)
-    _fetch_cos_sin_rows(cos_sin_ref, positions_tile, eps_ref[layer], cos_sin_tile, eps_rows, rows_loaded,
-                        tokens_per_block)
+    _fetch_cos_sin_rows(refs, layer, positions_tile, cos_sin_tile, row_terms, rows_loaded, tokens_per_block)
 
     plgpu.barrier_wait(loaded)
-    for v_tile, columns in zip(v_tiles, v_columns):
-        plgpu.copy_smem_to_gmem(v_tile, v_out_ref.at[layer, tokens, head, columns])
-    normed = _normalized(_load(k_tile, plgpu.Layout.WGMMA, interpret),
-                         _load(weight_tile, plgpu.Layout.WGMMA.reduce(0), interpret),
-                         _load(eps_rows, plgpu.Layout.WGMMA.reduce(1), interpret), head_dim)
+    _store_v(refs, v_tiles, layer, [(tokens, head, columns) for columns in v_columns], interpret)
+    normed = _normalized(_load(k_tile, plgpu.Layout.WGMMA, interpret), _load_weight(weight_tile, interpret),
+                         _load(row_terms, plgpu.Layout.WGMMA.reduce(1), interpret), head_dim)
     plgpu.barrier_wait(rows_loaded)
     _store_k(_rotated(normed, _load(cos_sin_tile, plgpu.Layout.WGMMA, interpret), rotary_dim),
-             out_tiles, k_out_ref, (layer, tokens, head))
+             out_tiles, refs.k_out, (layer, tokens, head))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _heads_looped_kernel(
-    kv_ref, weight_ref, eps_ref, cos_sin_ref, positions_ref, k_out_ref, v_out_ref, *,
-    k_tiles, v_tiles, out_tiles, weight_tile, positions_tile, cos_sin_tile, eps_rows,
-    loaded, fixed_loaded, rows_loaded,
+    refs: _Refs, *, k_tiles, v_tiles, out_tiles, positions_tile, cos_sin_tile, row_terms,
+    loaded, fixed_loaded, rows_loaded, weight_tile=None,
     head_dim: int, rotary_dim: int, tokens_per_block: int, heads: int, interpret: bool,
 ):
     """``heads`` heads of one layer for ``BLOCK_TOKENS`` tokens, from head ``group * heads``:
-    the grid point ``(block, layer, group)``. The refs are :func:`_fused_kv_norm_rope_kernel`'s;
-    the block's positions, cos/sin rows and the layer's weight are fetched once, and the K
-    and V tiles are double-buffered (``k_tiles``/``v_tiles[2, BLOCK_TOKENS, head_dim]``,
-    ``loaded[2]``): the next head's arrive while a head is computed and stored."""
+    the grid point ``(block, layer, group)``. The block's positions, cos/sin rows and the
+    layer's weight are fetched once, and the K and V tiles are double-buffered
+    (``k_tiles``/``v_tiles[2, BLOCK_TOKENS, head_dim]``, ``loaded[2]``): the next head's
+    arrive while a head is computed and stored."""
     block, layer, group = (jax.lax.axis_index(name) for name in GRID_NAMES)
     tokens = pl.ds(block * BLOCK_TOKENS, BLOCK_TOKENS)
     first_head = group * heads
 
     def fetch_head(head, slot):
-        plgpu.copy_gmem_to_smem(kv_ref.at[tokens, layer, 0, first_head + head], k_tiles.at[slot], loaded.at[slot])
-        plgpu.copy_gmem_to_smem(kv_ref.at[tokens, layer, 1, first_head + head], v_tiles.at[slot], loaded.at[slot])
+        for part, tiles in enumerate((k_tiles, v_tiles)):
+            plgpu.copy_gmem_to_smem(refs.kv.at[tokens, layer, part, first_head + head], tiles.at[slot],
+                                    loaded.at[slot])
 
-    plgpu.copy_gmem_to_smem(positions_ref.at[tokens], positions_tile, fixed_loaded)
-    plgpu.copy_gmem_to_smem(weight_ref.at[layer], weight_tile, fixed_loaded)
+    plgpu.copy_gmem_to_smem(refs.positions.at[tokens], positions_tile, fixed_loaded)
+    if weight_tile is not None:
+        plgpu.copy_gmem_to_smem(refs.weight.at[layer], weight_tile, fixed_loaded)
     fetch_head(0, 0)
     plgpu.barrier_wait(fixed_loaded)
-    _fetch_cos_sin_rows(cos_sin_ref, positions_tile, eps_ref[layer], cos_sin_tile, eps_rows, rows_loaded,
-                        tokens_per_block)
-    weight = _load(weight_tile, plgpu.Layout.WGMMA.reduce(0), interpret)
-    eps_row = _load(eps_rows, plgpu.Layout.WGMMA.reduce(1), interpret)
+    _fetch_cos_sin_rows(refs, layer, positions_tile, cos_sin_tile, row_terms, rows_loaded, tokens_per_block)
+    weight = _load_weight(weight_tile, interpret)
+    terms = _load(row_terms, plgpu.Layout.WGMMA.reduce(1), interpret)
     plgpu.barrier_wait(rows_loaded)
     cos_sin = _load(cos_sin_tile, plgpu.Layout.WGMMA, interpret)
 
@@ -209,33 +213,50 @@ def _heads_looped_kernel(
             fetch_head(head + 1, 1 - slot)
 
         plgpu.barrier_wait(loaded.at[slot])
-        plgpu.copy_smem_to_gmem(v_tiles.at[slot], v_out_ref.at[layer, tokens, first_head + head])
-        normed = _normalized(_load(k_tiles.at[slot], plgpu.Layout.WGMMA, interpret), weight, eps_row, head_dim)
-        _store_k(_rotated(normed, cos_sin, rotary_dim), out_tiles, k_out_ref, (layer, tokens, first_head + head))
+        _store_v(refs, [v_tiles.at[slot]], layer, [(tokens, first_head + head)], interpret)
+        normed = _normalized(_load(k_tiles.at[slot], plgpu.Layout.WGMMA, interpret), weight, terms, head_dim)
+        _store_k(_rotated(normed, cos_sin, rotary_dim), out_tiles, refs.k_out, (layer, tokens, first_head + head))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _fetch_cos_sin_rows(cos_sin_ref, positions_tile, eps, cos_sin_tile, eps_rows, rows_loaded, tokens_per_block):
-    """Copy each token's cos/sin row (arriving on ``rows_loaded``) and set its ``eps``."""
-    max_position = cos_sin_ref.shape[0]
+def _fetch_cos_sin_rows(refs: _Refs, layer, positions_tile, cos_sin_tile, row_terms, rows_loaded,
+                        tokens_per_block: int):
+    """Copy each token's cos/sin row of the layer's table (arriving on ``rows_loaded``) and
+    set its row term: the layer's ``eps`` with a K-norm, else 1; NaN for a token without a
+    row (its position, or the layer's table, out of range), which turns its K row into NaN."""
+    max_position = refs.cos_sin.shape[-2]
+    table_index, table_in_range = (), True
+    if refs.table is not None:
+        table = refs.table[layer]
+        table_in_range = (table >= 0) & (table < refs.cos_sin.shape[0])
+        table_index = (jnp.where(table_in_range, table, 0),)
+    term = refs.eps[layer] if refs.eps is not None else jnp.float32(1.0)
 
     @pl.loop(0, tokens_per_block)
     def _fetch_row(token):
         position = positions_tile[token]
-        in_range = (position >= 0) & (position < max_position)
-        # An out-of-range position reads row 0 (never outside the cache) and poisons
-        # its row through eps: rsqrt(x + NaN) is NaN, so every K element becomes NaN.
-        plgpu.copy_gmem_to_smem(cos_sin_ref.at[pl.ds(jnp.where(in_range, position, 0), 1)],
+        in_range = (position >= 0) & (position < max_position) & table_in_range
+        # A token without a row reads row 0 of table 0 (never outside the cache).
+        plgpu.copy_gmem_to_smem(refs.cos_sin.at[(*table_index, pl.ds(jnp.where(in_range, position, 0), 1))],
                                 cos_sin_tile.at[pl.ds(token, 1)], rows_loaded)
-        eps_rows[token] = jnp.where(in_range, eps, jnp.float32(jnp.nan))
+        row_terms[token] = jnp.where(in_range, term, jnp.float32(jnp.nan))
 
 
-def _normalized(k, weight, eps_row, head_dim: int):
-    """RMSNorm of each row (token) of a ``[BLOCK_TOKENS, head_dim]`` K tile, in fp32."""
+def _load_weight(weight_tile, interpret: bool):
+    """The layer's K-norm weight as a row of registers; None without a K-norm."""
+    return None if weight_tile is None else _load(weight_tile, plgpu.Layout.WGMMA.reduce(0), interpret)
+
+
+def _normalized(k, weight, row_terms, head_dim: int):
+    """A ``[BLOCK_TOKENS, head_dim]`` K tile in fp32: each row RMS-normalized (``row_terms``:
+    its ``eps``) and weighted; without a ``weight`` (no K-norm) each row times its term (1).
+    A NaN term makes its row NaN either way."""
     k = k.astype(jnp.float32)
+    if weight is None:
+        return k * jax.lax.broadcast_in_dim(row_terms, k.shape, (0,))
     sum_squares = jnp.sum(k * k, axis=1)
-    mean_square_eps = sum_squares / head_dim + eps_row
+    mean_square_eps = sum_squares / head_dim + row_terms
     # The edge values of interop.core.reference, as the Triton lowering decides them per head row.
     inv_rms = jnp.where(mean_square_eps < SMALLEST_NORMAL_FP32, 0.0, jax.lax.rsqrt(mean_square_eps))
     inv_rms = jnp.where(sum_squares < jnp.inf, inv_rms, jnp.nan)
@@ -263,6 +284,19 @@ def _store_k(parts: list, out_tiles: list, k_out_ref, index: tuple):
         start += tile.shape[1]
 
 
+def _store_v(refs: _Refs, v_tiles: list, layer, indices: list, interpret: bool):
+    """Copy the V tiles out to ``v_out[layer, *index]``, each first scaled in place by the
+    layer's ``v_multiplier`` (in fp32, rounded once) where there is one."""
+    if refs.v_multiplier is not None:
+        multiplier = refs.v_multiplier[layer]
+        for tile in v_tiles:
+            tile[...] = (_load(tile, plgpu.Layout.WGMMA, interpret).astype(jnp.float32) * multiplier).astype(
+                tile.dtype)
+        plgpu.commit_smem()
+    for tile, index in zip(v_tiles, indices):
+        plgpu.copy_smem_to_gmem(tile, refs.v_out.at[(layer, *index)])
+
+
 def _load(ref, layout, interpret):
     """``ref[...]`` in ``layout``. Untiled shared memory in a register layout has bank
     conflicts, which Mosaic refuses unless told (``optimized=False``); the tiles read so
@@ -283,76 +317,97 @@ _WHOLE_REF = _whole_ref_index()
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=None, v_out=None, *, config: FusedKVConfig,
-           interpret):
+def launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=None, v_out=None, v_multiplier=None,
+           layer_rope_table=None, *, config: FusedKVConfig, interpret):
     """The Mosaic GPU kernel: ``(k_out, v_out)``, each ``[n_layers, total_ctx, heads, head_dim]``.
 
     ``kv`` dense ``[total_ctx, n_layers, 2*kv_size]``; ``positions`` int32 or int64 (an
     int64 position is narrowed with out-of-range values kept out of range).
+    ``k_norm_weight``/``eps``: None for a draft without a K-norm. ``v_multiplier`` and
+    ``layer_rope_table`` (with a 3-D ``cos_sin_cache``): as for
+    :func:`fusedkv_jax.fused_kv_norm_rope`, None where not taken.
     ``k_out``/``v_out``: optional outputs, written through refs the kernel aliases (in
     place under a jit that donates them; not under ``jax.vmap``, see
     :meth:`_Kernel.written_into`). None allocates the output.
     ``interpret``: run under Mosaic GPU's interpret mode (CPU).
     """
     total_ctx, n_layers, _ = kv.shape
-    heads, dim = config.num_kv_heads, config.head_dim
-    max_position = cos_sin_cache.shape[0]
+    max_position = cos_sin_cache.shape[-2]
     if positions.dtype != jnp.int32:
         in_range = (positions >= 0) & (positions < max_position)
         positions = jnp.where(in_range, positions, -1).astype(jnp.int32)
-    operands = (kv.reshape(total_ctx, n_layers, 2, heads, dim), k_norm_weight.astype(jnp.float32),
-                # A bf16/fp16 table's rows in shared memory end in a misaligned address on Hopper: fp32 rows.
-                eps.astype(jnp.float32), cos_sin_cache.astype(jnp.float32), positions)
-    kernel = _Kernel(config, total_ctx, n_layers, kv.dtype, bool(interpret))
+    operands = dict(
+        kv=kv.reshape(total_ctx, n_layers, 2, config.num_kv_heads, config.head_dim),
+        # A bf16/fp16 table's rows in shared memory end in a misaligned address on Hopper: fp32 rows.
+        cos_sin=cos_sin_cache.astype(jnp.float32), positions=positions)
+    if k_norm_weight is not None:
+        operands.update(weight=k_norm_weight.astype(jnp.float32), eps=eps.astype(jnp.float32))
+    if v_multiplier is not None:
+        operands.update(v_multiplier=v_multiplier.astype(jnp.float32))
+    if layer_rope_table is not None:
+        operands.update(table=layer_rope_table)
+    kernel = _Kernel(config, total_ctx, n_layers, kv.dtype, tuple(operands), bool(interpret))
     if k_out is None and v_out is None:
-        return kernel.fresh(*operands)
-    return kernel.written_into(operands, k_out, v_out)
+        return kernel.fresh(*operands.values())
+    return kernel.written_into(tuple(operands.values()), k_out, v_out)
 
 
 class _Kernel:
-    """The kernel of one call's shape, launched with fresh outputs (:meth:`fresh`) or
-    into given ones (:meth:`written_into`)."""
+    """The kernel of one call's shape and options (``inputs``: the names of its operands,
+    :class:`_Refs`'s), launched with fresh outputs (:meth:`fresh`) or into given ones
+    (:meth:`written_into`)."""
 
-    def __init__(self, config: FusedKVConfig, total_ctx: int, n_layers: int, dtype, interpret: bool):
+    def __init__(self, config: FusedKVConfig, total_ctx: int, n_layers: int, dtype, inputs: tuple,
+                 interpret: bool):
         dim, rotary_dim = config.head_dim, config.rotary_dim
         half = rotary_dim // 2
         widths = [half, half] + ([dim - rotary_dim] if rotary_dim < dim else [])
         starts = [0, half, rotary_dim]
         tokens_per_block = min(BLOCK_TOKENS, total_ctx)
+        k_norm = "weight" in inputs
         # Tiled copies move whole tiles of 8 rows: a context of another length takes the
         # untiled tiles (bank conflicts in their loads and stores).
         tiled = total_ctx % 8 == 0
         shared = dict(
             out_tiles=[_tile((BLOCK_TOKENS, width), dtype, tiled=tiled, start=start)
                        for width, start in zip(widths, starts)],
-            weight_tile=plgpu.SMEM((dim,), jnp.float32),
             positions_tile=plgpu.SMEM((BLOCK_TOKENS,), jnp.int32),
             cos_sin_tile=plgpu.SMEM((BLOCK_TOKENS, rotary_dim), jnp.float32),
-            eps_rows=plgpu.SMEM((BLOCK_TOKENS,), jnp.float32),
+            row_terms=plgpu.SMEM((BLOCK_TOKENS,), jnp.float32),
             rows_loaded=plgpu.Barrier(num_arrivals=tokens_per_block),
         )
+        if k_norm:
+            shared.update(weight_tile=plgpu.SMEM((dim,), jnp.float32))
         heads = heads_per_program(config, total_ctx, n_layers, dtype)
         if heads > 1:
             self.scratch = dict(
                 shared, k_tiles=_tile((2, BLOCK_TOKENS, dim), dtype, tiled=True),
                 v_tiles=_tile((2, BLOCK_TOKENS, dim), dtype, tiled=True),
-                loaded=plgpu.Barrier(num_arrivals=2, num_barriers=2), fixed_loaded=plgpu.Barrier(num_arrivals=2))
-            self.body = functools.partial(
+                loaded=plgpu.Barrier(num_arrivals=2, num_barriers=2),
+                fixed_loaded=plgpu.Barrier(num_arrivals=1 + k_norm))
+            self.kernel = functools.partial(
                 _heads_looped_kernel, head_dim=dim, rotary_dim=rotary_dim, tokens_per_block=tokens_per_block,
                 heads=heads, interpret=interpret)
         else:
+            v_tiles = ([_tile((BLOCK_TOKENS, dim), dtype, tiled=True)] if tiled else
+                       [_tile((BLOCK_TOKENS, dim // 2), dtype, tiled=False)] * 2)
             self.scratch = dict(
-                shared, k_tile=_tile((BLOCK_TOKENS, dim), dtype, tiled=tiled),
-                v_tiles=[_tile((BLOCK_TOKENS, dim), dtype, tiled=True)] if tiled else
-                        [_tile((BLOCK_TOKENS, dim // 2), dtype, tiled=False)] * 2,
-                loaded=plgpu.Barrier(num_arrivals=3 if tiled else 4),
+                shared, k_tile=_tile((BLOCK_TOKENS, dim), dtype, tiled=tiled), v_tiles=v_tiles,
+                loaded=plgpu.Barrier(num_arrivals=1 + len(v_tiles) + k_norm),
                 positions_loaded=plgpu.Barrier(num_arrivals=1))
-            self.body = functools.partial(
-                _fused_kv_norm_rope_kernel, head_dim=dim, rotary_dim=rotary_dim,
+            self.kernel = functools.partial(
+                _one_head_kernel, head_dim=dim, rotary_dim=rotary_dim,
                 tokens_per_block=tokens_per_block, tiled=tiled, interpret=interpret)
+        self.inputs = inputs
         self.grid = (pl.cdiv(total_ctx, BLOCK_TOKENS), n_layers, config.num_kv_heads // heads)
         self.output = jax.ShapeDtypeStruct(config.output_shape(n_layers, total_ctx), dtype)
         self.interpret = _interpret_params() if interpret else None
+
+    def body(self, *refs, **scratch) -> None:
+        """The kernel's body: its refs are the inputs, then ``k_out`` and ``v_out``."""
+        count = len(self.inputs)
+        self.kernel(_Refs(**dict(zip(self.inputs, refs[:count])), k_out=refs[count], v_out=refs[count + 1]),
+                    **scratch)
 
     def fresh(self, *operands) -> tuple:
         """``(k_out, v_out)`` as new arrays; ``jax.vmap`` batches it (over a grid axis)."""
@@ -377,9 +432,11 @@ class _Kernel:
         return tuple(next(fresh) if ref is None else jax.freeze(ref) for ref in refs)
 
     def _into_refs(self, given: list, *refs) -> None:
-        """The body of :meth:`written_into`'s kernel: its refs are the five inputs, the given
+        """The body of :meth:`written_into`'s kernel: its refs are the inputs, the given
         outputs, then the fresh ones; the block's scratch is scoped inside."""
-        inputs, given_refs, fresh_refs = refs[:5], iter(refs[5:5 + sum(given)]), iter(refs[5 + sum(given):])
+        count = len(self.inputs)
+        inputs, given_refs = refs[:count], iter(refs[count:count + sum(given)])
+        fresh_refs = iter(refs[count + sum(given):])
         outputs = [next(given_refs) if is_given else next(fresh_refs) for is_given in given]
         pl.run_scoped(functools.partial(self.body, *inputs, *outputs), **self.scratch)
 

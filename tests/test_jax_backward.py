@@ -216,22 +216,33 @@ def test_a_training_step_lowers_to_the_forward_and_backward_triton_calls_without
     assert len([target for target in re.findall(r"custom_call @([\w$.]+)", text) if "triton" in target]) == 2
 
 
-def test_jax_gradients_after_the_mosaic_lowerings_forward_are_the_triton_lowerings():
+@pytest.mark.parametrize("options", ["plain", "v_multiplier and tables"])
+def test_jax_gradients_after_the_mosaic_lowerings_forward_are_the_triton_lowerings(options):
     # Mosaic GPU has no backward kernel: the Triton lowering's runs after either forward.
     config = FusedKVConfig(1, 32, 32, "neox")
-    (kv, weight, eps, cache, positions), grads, _ = _inputs(config, dtype="bfloat16", n_layers=2, total_ctx=64,
-                                                            seed=14)
+    (kv, weight, eps, cache, positions), grads, multiplier = _inputs(config, dtype="bfloat16", n_layers=2,
+                                                                     total_ctx=64, seed=14)
+    given = {}
+    if options != "plain":
+        cache = np.stack([cache, cache[::-1].copy()])
+        given = dict(layer_rope_table=np.array([1, 0], np.int32))
 
     def gradients(lowering):
-        def op(kv, weight):
-            return fusedkv_jax.fused_kv_norm_rope(kv, weight, eps, cache, positions, **_static(config),
-                                                  lowering=lowering)
-        _, vjp = jax.vjp(op, jnp.asarray(kv), jnp.asarray(weight))
+        def op(kv, weight, multiplier):
+            return fusedkv_jax.fused_kv_norm_rope(kv, weight, eps, cache, positions, **_static(config), **given,
+                                                  v_multiplier=multiplier, lowering=lowering)
+        _, vjp = jax.vjp(op, jnp.asarray(kv), jnp.asarray(weight), None if options == "plain" else multiplier)
         return vjp(tuple(jnp.asarray(g) for g in grads))
 
     mosaic, triton = gradients("mosaic_gpu"), gradients("triton")
-    expected = fused_kv_norm_rope_backward_reference(kv, weight, eps, cache, positions, *grads, **_static(config))
-    for name, got, same, want in zip(("grad_kv", "grad_k_norm_weight"), mosaic, triton, expected):
+    expected = fused_kv_norm_rope_backward_reference(
+        kv, weight, eps, cache, positions, *grads, **_static(config), **given,
+        v_multiplier=None if options == "plain" else multiplier)
+    for name, got, same, want in zip(("grad_kv", "grad_k_norm_weight", "grad_v_multiplier"), mosaic, triton,
+                                     expected):
+        if want is None:
+            assert got is None and same is None, name
+            continue
         assert_bit_exact(got, same, name=name)
         assert_grad_close(got, want, "bfloat16", name)
 

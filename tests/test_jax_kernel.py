@@ -698,6 +698,36 @@ def test_mosaic_programs_of_one_head_a_group_of_heads_and_every_head_match_the_r
     _assert_matches_reference(k, v, host, config)
 
 
+@pytest.mark.parametrize("options", ["no K-norm", "v_multiplier", "layer_rope_table", "all three"])
+@pytest.mark.parametrize("n_layers, total_ctx, heads", [(1, 64, 1), (1, 256, 2), (3, 192, 4)])
+def test_mosaic_takes_every_option_of_the_op_in_programs_of_one_head_and_of_several(options, n_layers, total_ctx,
+                                                                                   heads, monkeypatch):
+    from fusedkv_jax import mosaic_kernel
+
+    monkeypatch.setattr(devices, "multiprocessors", lambda: 4)
+    config = FusedKVConfig(4, 64, 32, "neox")
+    assert mosaic_kernel.heads_per_program(config, total_ctx, n_layers, jnp.bfloat16) == heads
+    kv, weight, eps, cos_sin, positions = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, seed=60 + heads)
+    positions = np.where(np.arange(total_ctx) % 7 == 4, 64, positions).astype(positions.dtype)  # out of range
+    given = {}
+    if options in ("no K-norm", "all three"):
+        weight = eps = None
+    if options in ("v_multiplier", "all three"):
+        given["v_multiplier"] = np.linspace(-1.5, 3.0, n_layers).astype(np.float32)
+    if options in ("layer_rope_table", "all three"):
+        cos_sin = np.stack([cos_sin, rope_cos_sin_cache(64, config.rotary_dim, base=500.0)])
+        # A layer of table 1, and with three layers one whose table is out of range (its K all NaN).
+        given["layer_rope_table"] = np.array([1, -1, 0][:n_layers], np.int32)
+    host = (kv, weight, eps, cos_sin, positions)
+    k, v = fused_kv_norm_rope(*host, **_static(config), **given, lowering="mosaic_gpu")
+    k_expected, v_expected = fused_kv_norm_rope_reference(*host, **_static(config), **given)
+    assert_close(k, k_expected)
+    if "v_multiplier" in given:
+        assert_close(v, v_expected)
+    else:
+        assert_bit_exact(v, v_expected)
+
+
 @pytest.mark.parametrize("config, total_ctx, n_layers, dtype, heads", [
     (DRAFT, 4096, 5, jnp.bfloat16, 8),  # 320 (block, layer) programs for 132 multiprocessors
     (DRAFT, 256, 5, jnp.bfloat16, 1),  # 20 (block, layer): even 80 programs of 2 heads are too few
@@ -809,9 +839,6 @@ BAD_LOWERINGS = [
      "Invalid lowering for fused KV materialization: got 'mosaic_gpu' for rope_style='neox', "
      "head_dim=32, rotary_dim=32, dtype=float32, expected 'triton' (Mosaic GPU takes bf16/fp16 "
      "neox with rotary halves and tail in multiples of 8 columns and 32 bytes, head_dim <= 256)."),
-    (dict(lowering="mosaic_gpu", layer_rope_table=np.zeros(2, np.int32)),
-     "Invalid lowering for fused KV materialization: got 'mosaic_gpu' for a call with a layer_rope_table, "
-     "expected 'triton' (the Mosaic GPU kernel reads one cos/sin table for every layer)."),
     (dict(lowering="mosaic_gpu", block_tokens=4),
      "Invalid tile override for fused KV materialization: got block_tokens/block_heads/num_warps "
      "with lowering='mosaic_gpu', expected them only with the Triton lowering."),
@@ -823,8 +850,6 @@ def test_bad_lowering_raises_its_message(overrides, message):
     overrides = dict(overrides)
     config = FusedKVConfig(2, 32, 32, overrides.pop("rope_style", "neox"))
     host = _inputs(config, n_layers=2, total_ctx=64, seed=33, dtype=overrides.pop("dtype", "bfloat16"))
-    if "layer_rope_table" in overrides:
-        host = (*host[:3], np.stack([host[3]] * 2), host[4])
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         fused_kv_norm_rope(*host, **_static(config), **overrides)
 
@@ -840,17 +865,29 @@ def test_mosaic_interpret_mode_refuses_a_partial_block():
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests below compile the kernel for real")
+@pytest.mark.parametrize("options", ["plain", "every option"])
 @pytest.mark.parametrize("config, total_ctx", [(FusedKVConfig(8, 128, 64, "neox"), 104),
                                                (FusedKVConfig(2, 256, 256, "neox"), 4096),
                                                (FusedKVConfig(1, 96, 96, "neox"), 7)])
-def test_mosaic_lowers_for_a_gpu(config, total_ctx):
+def test_mosaic_lowers_for_a_gpu(config, total_ctx, options):
     # Mosaic GPU builds its IR in Python: layouts, slices and copies are checked without a
-    # GPU (by jax 0.10.2 here; 0.11.2 differs, see fusedkv_jax.mosaic_kernel).
-    args = (jax.ShapeDtypeStruct((total_ctx, 5, 2 * config.kv_size), jnp.bfloat16),
-            jax.ShapeDtypeStruct((5, config.head_dim), jnp.float32), jax.ShapeDtypeStruct((5,), jnp.float32),
-            jax.ShapeDtypeStruct((100, config.rotary_dim), jnp.float32),
-            jax.ShapeDtypeStruct((total_ctx,), jnp.int32))
-    call = functools.partial(fused_kv_norm_rope, **_static(config), interpret=False, lowering="mosaic_gpu")
+    # GPU (by jax 0.10.2 here; 0.11.2 differs, see fusedkv_jax.mosaic_kernel). The three
+    # contexts take programs of every head, of one (tiled) and of one (untiled, V in halves).
+    n_layers = 5
+    kv = jax.ShapeDtypeStruct((total_ctx, n_layers, 2 * config.kv_size), jnp.bfloat16)
+    positions = jax.ShapeDtypeStruct((total_ctx,), jnp.int32)
+    if options == "plain":
+        args = (kv, jax.ShapeDtypeStruct((n_layers, config.head_dim), jnp.float32),
+                jax.ShapeDtypeStruct((n_layers,), jnp.float32),
+                jax.ShapeDtypeStruct((100, config.rotary_dim), jnp.float32), positions)
+        call = functools.partial(fused_kv_norm_rope, **_static(config), interpret=False, lowering="mosaic_gpu")
+    else:
+        args = (kv, jax.ShapeDtypeStruct((2, 100, config.rotary_dim), jnp.float32), positions,
+                jax.ShapeDtypeStruct((n_layers,), jnp.float32), jax.ShapeDtypeStruct((n_layers,), jnp.int32))
+
+        def call(kv, tables, positions, multiplier, table_of_layer):
+            return fused_kv_norm_rope(kv, None, None, tables, positions, **_static(config), v_multiplier=multiplier,
+                                      layer_rope_table=table_of_layer, interpret=False, lowering="mosaic_gpu")
     assert "mosaic_gpu" in jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -883,3 +920,25 @@ def test_gpu_mosaic_matches_reference(config, n_layers, total_ctx, dtype):
     host = host[:4] + (np.where(np.arange(total_ctx) % 7 == 3, -1, host[4]).astype(host[4].dtype),)
     k, v = fused_kv_norm_rope(*(jax.device_put(a) for a in host), **_static(config), lowering="mosaic_gpu")
     _assert_matches_reference(k, v, host, config)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("config, n_layers, total_ctx", [
+    (DRAFT, 5, 4096),  # programs of every head
+    (FusedKVConfig(8, 128, 64, "neox"), 8, 72),  # of one head, tiled
+    (FusedKVConfig(1, 96, 96, "neox"), 3, 7),  # of one head, untiled: V scaled in two halves
+])
+def test_gpu_mosaic_with_every_option_matches_reference(config, n_layers, total_ctx):
+    kv, _, _, cos_sin, positions = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, max_position=32768,
+                                           seed=70 + total_ctx)
+    positions = np.where(np.arange(total_ctx) % 7 == 3, -1, positions).astype(positions.dtype)
+    options = dict(v_multiplier=np.linspace(-2.0, 2.0, n_layers).astype(np.float32),
+                   layer_rope_table=(np.arange(n_layers) % 3 - (np.arange(n_layers) == 1)).astype(np.int32))
+    cos_sin = np.stack([cos_sin, rope_cos_sin_cache(32768, config.rotary_dim, base=1e6)])
+    host = (kv, None, None, cos_sin, positions)
+    k, v = fused_kv_norm_rope(*(None if a is None else jax.device_put(a) for a in host), **_static(config),
+                              **options, lowering="mosaic_gpu")
+    k_expected, v_expected = fused_kv_norm_rope_reference(*host, **_static(config), **options)
+    assert_close(k, k_expected)
+    assert_close(v, v_expected)
