@@ -1570,7 +1570,31 @@ def test_the_grid_bars_are_judged_per_half_from_the_measured_rows():
     assert verdicts["2", "With", "held-out"] == ("-", "not measured")
     assert verdicts["3", "With", "fit"] == ("-", "not measured")
     assert verdicts["3", "With", "held-out"] == (f"1.30x at {held_out}, 16 tokens", "missed by 0.05x")
-    assert len(verdicts) == 6 * 3
+    assert len(verdicts) == 7 * 3
+
+
+def test_bar_5_judges_mosaic_gpu_against_the_triton_lowering_at_every_size_it_serves():
+    from interop.bench import grid
+    from interop.bench.shapes import GRID
+
+    fit, held_out = list(GRID)[:2]
+
+    def row(shape, implementation, tokens, us, *, check="ok"):
+        return Measurement(shape, GRID[shape].dtype, implementation, "jax", "kernel", "device", tokens,
+                           None if us is None else us * 1e-6, 10**6, check=check)
+
+    rows = [row(fit, "pallas", 16, 2.0), row(fit, "pallas-mosaic", 16, 2.08),  # 1.04x
+            row(fit, "pallas", 2048, 20.0), row(fit, "pallas-mosaic", 2048, 22.0),  # 1.10x, in neither bucket
+            row(held_out, "pallas", 4096, 40.0),
+            row(held_out, "pallas-mosaic", 4096, None, check="n/a: Mosaic GPU has no kernel for gptj")]
+    found = grid.cells(rows)
+    verdicts = {half: (worst, verdict) for bar, what, half, worst, verdict in grid.bar_lines(found) if bar == "5"}
+    assert verdicts == {"fit": (f"1.10x at {fit}, 2048 tokens", "missed by 0.05x"),
+                        "held-out": ("-", "not measured"),  # n/a: a configuration it does not serve
+                        "both": (f"1.10x at {fit}, 2048 tokens", "missed by 0.05x")}
+    table = {(line[0], line[2]): line for line in grid.configuration_lines(found)}
+    assert table["configuration", "tokens"][-1] == "pallas-mosaic x pallas"
+    assert table[fit, "16"][-1] == "1.04x" and table[held_out, "4096"][-1] == "-"
 
 
 def test_the_grid_summary_gives_the_worst_and_median_of_copy_per_bucket_and_half():
