@@ -1,7 +1,9 @@
 """The floors of the Mosaic GPU kernel: its data movement alone, on its own plan.
 
 As :mod:`interop.bench.floors` is for the Triton lowering: the grid of
-:mod:`fusedkv_jax.mosaic_kernel` (a program per 64 tokens, layer and head), its swizzled
+:mod:`fusedkv_jax.mosaic_kernel` where its programs take one head each (a program per 64
+tokens, layer and head; where :func:`~fusedkv_jax.mosaic_kernel.heads_per_program` gives
+a program several heads, this is the floor of the one-head plan, not of the kernel's), its swizzled
 shared-memory tiles and TMA copies, ``k_out``/``v_out`` written through refs the kernel
 aliases, and none of the op's work. :func:`copy` copies each program's K and V tiles
 through shared memory unchanged; with ``cos_sin=True`` a program also copies its tokens'
