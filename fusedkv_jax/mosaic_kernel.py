@@ -11,9 +11,10 @@ array-index gather, so everything the kernel reads arrives by TMA copies whose s
 are scalars: the ``[64, head_dim]`` K and V tiles of the head (``kv`` viewed as
 ``[total_ctx, n_layers, 2, heads, head_dim]``, a free reshape), the layer's norm
 weight, the block's positions, and then, per token, the cos/sin row at its position
-read back from shared memory (an out-of-range position copies row 0, never reads
-outside the cache, and makes its row's ``eps`` NaN, which turns the whole K row into
-NaN). V goes from shared memory straight back out; K is computed in registers in the
+(in the layer's table, with ``layer_rope_table``) read back from shared memory (an
+out-of-range position or table copies row 0 of table 0, never reads outside the cache,
+and makes its row's term NaN, which turns the whole K row into NaN). V goes from shared
+memory straight back out (scaled in its tile first, with a ``v_multiplier``); K is computed in registers in the
 WGMMA layout (64 rows, one row per token, so the RMS is a row reduction), its
 ``neox`` halves and unrotated tail are static column slices of the registers, and
 each part is copied out from its own shared-memory tile. With ``total_ctx`` a multiple
