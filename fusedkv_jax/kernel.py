@@ -32,8 +32,9 @@ and loses at short ones, where its per-token cos/sin copies cost more than the T
 lowering's whole call (BENCHMARKS.md). It writes a caller's
 ``k_out``/``v_out`` in place through refs (under a jit that donates them), but not
 under ``jax.vmap``, which batches it only with fresh outputs. The paged-cache entry point
-stays on Triton: its slots scatter rows to data-dependent places, which a Mosaic GPU
-kernel would do with one copy per token, slower than the plain op it already loses to.
+on it (caches in ``kv``'s dtype) writes fresh K and V and lets XLA scatter their rows:
+a Mosaic GPU kernel would write each row to its slot by a copy of its own, as it reads a
+cos/sin row, the copies that already cost it most.
 
 Tiling: one program per (block of ``block_tokens`` tokens, layer, block of
 ``block_heads`` heads) works on a ``[block_tokens, block_heads, head_dim]`` tile,
@@ -746,7 +747,7 @@ def fused_kv_norm_rope(
         configuration (:func:`default_lowering`).
       layer_rope_table: int32[n_layers], exactly with a 3-D ``cos_sin_cache``: layer l is
         rotated by table ``layer_rope_table[l]``; an index outside [0, n_tables) gives that
-        layer an all-NaN K. The Triton lowering only.
+        layer an all-NaN K.
 
     Returns:
       ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim]. They
@@ -892,6 +893,7 @@ def fused_kv_norm_rope_into_cache(
     block_heads: int | None = None,
     num_warps: int | None = None,
     interpret: bool | None = None,
+    lowering: str | None = None,
     layer_rope_table=None,
 ):
     """:func:`fused_kv_norm_rope` written straight into slot ``cache_loc[t]`` of paged caches.
@@ -911,6 +913,10 @@ def fused_kv_norm_rope_into_cache(
       k_scale, v_scale: fp32[n_layers], for (and only for) a float8_e4m3fn cache.
       v_multiplier: as for :func:`fused_kv_norm_rope`; an fp8 V cache holds
         ``(v * v_multiplier[l]) / v_scale[l]``.
+      lowering: as for :func:`fused_kv_norm_rope`. On ``"mosaic_gpu"`` (caches in ``kv``'s
+        dtype only) the Mosaic GPU kernel writes fresh K and V and XLA scatters their rows
+        into the caches in the same jit: one more write and read of K and V than the
+        Triton lowering, which stores each row in its slot.
       layer_rope_table: as for :func:`fused_kv_norm_rope`.
 
     Returns:
@@ -929,10 +935,20 @@ def fused_kv_norm_rope_into_cache(
     ).shape
     check_output_buffers(given_kv, caches)
     options = _launch_options(call, kv, block_tokens, block_heads, num_warps, interpret)
+    lowering = _lowering(lowering, call, kv.dtype, options["interpret"],
+                         tuned=(block_tokens, block_heads, num_warps) != (None, None, None))
+    if lowering == "mosaic_gpu" and (k_scale is not None or v_scale is not None):
+        raise ValueError("Invalid lowering for fused KV materialization: got 'mosaic_gpu' for a float8_e4m3fn "
+                         "cache, expected 'triton' (the Mosaic GPU kernel writes K and V in kv's dtype; an fp8 "
+                         "cache is quantized from their fp32 values by the Triton lowering).")
     if call.total_ctx == 0 or call.n_layers == 0 or k_cache.shape[1] == 0:  # nothing to write
         return k_cache, v_cache
     positions = narrow_for_jax(positions)
     cache_loc = narrow_for_jax(cache_loc)
+    if lowering == "mosaic_gpu":
+        return _mosaic_cache_launch((("config", call.config), ("interpret", options["interpret"])), kv,
+                                    k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+                                    v_multiplier, layer_rope_table)
     return _cache_launch(tuple(options.items()), kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc,
                          k_cache, v_cache, k_scale, v_scale, v_multiplier, layer_rope_table)
 
@@ -953,15 +969,39 @@ def refusing_derivatives(function, names: tuple, got: str, expected: str):
     return jax.jit(wrapped, static_argnums=0)
 
 
-# The cache call's launch, which jax.grad and jax.jvp refuse: they would differentiate its partitioning.
-_cache_launch = refusing_derivatives(
+def _mosaic_into_cache(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_loc, k_cache, v_cache,
+                       v_multiplier, layer_rope_table, *, config: FusedKVConfig, interpret: bool):
+    """The cache variant on the Mosaic GPU lowering: its kernel's fresh K and V, each row
+    scattered by XLA into slot ``cache_loc[t]`` of the caches, a slot out of range dropped.
+    Mosaic GPU on Hopper would write a row to a slot read at run time by a copy of its own,
+    the way its kernel reads a cos/sin row, the copies that already cost it most."""
+    k, v = mosaic_kernel.launch(kv, k_norm_weight, eps, cos_sin_cache, positions, None, None, v_multiplier,
+                                layer_rope_table, config=config, interpret=interpret)
+    num_slots = k_cache.shape[1]
+    # A negative index would count from the end: every slot out of range is sent past it.
+    slots = jnp.where((cache_loc >= 0) & (cache_loc < num_slots), cache_loc, num_slots)
+    return k_cache.at[:, slots].set(k, mode="drop"), v_cache.at[:, slots].set(v, mode="drop")
+
+
+def _refusing_cache_derivatives(function, names: tuple):
+    """A cache call's launch, which jax.grad and jax.jvp refuse: they would differentiate
+    its partitioning, or the caches it writes in place."""
+    return refusing_derivatives(
+        function, names,
+        got="a value jax differentiates (jax.grad, jax.jvp) in a cache variant (fused_kv_norm_rope_into_cache, "
+            "materialize_into_cache)",
+        expected="none (the caches are written in place and carry no gradient: differentiate fused_kv_norm_rope "
+                 "or materialize, and write their outputs into the cache)")
+
+
+_cache_launch = _refusing_cache_derivatives(
     lambda options, *arrays: _launch(*arrays, **dict(options)),
     ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "cache_loc", "k_cache", "v_cache", "k_scale",
-     "v_scale", "v_multiplier", "layer_rope_table"),
-    got="a value jax differentiates (jax.grad, jax.jvp) in a cache variant (fused_kv_norm_rope_into_cache, "
-        "materialize_into_cache)",
-    expected="none (the caches are written in place and carry no gradient: differentiate fused_kv_norm_rope "
-             "or materialize, and write their outputs into the cache)")
+     "v_scale", "v_multiplier", "layer_rope_table"))
+_mosaic_cache_launch = _refusing_cache_derivatives(
+    lambda options, *arrays: _mosaic_into_cache(*arrays, **dict(options)),
+    ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "cache_loc", "k_cache", "v_cache", "v_multiplier",
+     "layer_rope_table"))
 
 
 # Last: the backward's module builds on this one's helpers.

@@ -407,6 +407,61 @@ def test_eager_cache_calls_of_one_shape_trace_the_launch_once(monkeypatch):
     assert len(traced) == 1
 
 
+@pytest.mark.parametrize("options", ["plain", "no K-norm and v_multiplier"])
+def test_mosaic_cache_writes_each_row_to_its_slot_and_leaves_every_other_slot(options):
+    config = FusedKVConfig(2, 64, 32, "neox")
+    slots = np.random.default_rng(40).permutation(300)[:128].astype(np.int32)
+    slots[::5] = -1  # padding
+    slots[[3, 7]] = [300, 2**31 - 1]  # past the cache: skipped, not wrapped
+    host, slots, k_cache, v_cache, _ = _cache_case(
+        config, n_layers=3, total_ctx=128, num_slots=300, slots=slots, k_dtype=numpy_dtype("bfloat16"),
+        v_dtype=numpy_dtype("bfloat16"), seed=41)
+    given = {}
+    if options != "plain":
+        host = (host[0], None, None, *host[3:])
+        given = dict(v_multiplier=np.array([0.5, -1.0, 3.0], np.float32))
+    k, v = fused_kv_norm_rope_into_cache(*host, slots, k_cache, v_cache, **_static(config), **given,
+                                         lowering="mosaic_gpu")
+    k_expected, v_expected = fused_kv_norm_rope_into_cache_reference(*host, slots, k_cache, v_cache,
+                                                                     **_static(config), **given)
+    assert_close(k, k_expected, name="k_cache")
+    (assert_close if given else assert_bit_exact)(v, v_expected, name="v_cache")
+    written = np.zeros(300, bool)
+    written[slots[(slots >= 0) & (slots < 300)]] = True
+    assert_bit_exact(np.asarray(k)[:, ~written], k_cache[:, ~written], name="k_cache untouched")
+    assert_bit_exact(np.asarray(v)[:, ~written], v_cache[:, ~written], name="v_cache untouched")
+
+
+def test_mosaic_cache_under_jit_with_donated_caches_updates_in_place():
+    config = FusedKVConfig(2, 64, 64, "neox")
+    slots = np.arange(64, dtype=np.int32)[::-1] * 2
+    host, slots, k_cache, v_cache, _ = _cache_case(
+        config, n_layers=2, total_ctx=64, num_slots=130, slots=slots, k_dtype=numpy_dtype("bfloat16"),
+        v_dtype=numpy_dtype("bfloat16"), seed=42)
+    k_device, v_device = jnp.array(k_cache, copy=True), jnp.array(v_cache, copy=True)
+    pointers = k_device.unsafe_buffer_pointer(), v_device.unsafe_buffer_pointer()
+    step = jax.jit(functools.partial(fused_kv_norm_rope_into_cache, **_static(config), lowering="mosaic_gpu"),
+                   donate_argnums=(6, 7))
+    k, v = step(*(jax.device_put(a) for a in host), jax.device_put(slots), k_device, v_device)
+    assert k_device.is_deleted() and v_device.is_deleted()
+    assert (k.unsafe_buffer_pointer(), v.unsafe_buffer_pointer()) == pointers
+    _assert_cache_matches_reference(k, v, host, slots, k_cache, v_cache, {}, config)
+
+
+def test_mosaic_cache_refuses_an_fp8_cache_before_anything_is_written():
+    config = FusedKVConfig(2, 64, 64, "neox")
+    host, slots, k_cache, v_cache, scales = _cache_case(
+        config, n_layers=2, total_ctx=64, num_slots=70, slots=np.arange(64), k_dtype=FP8, v_dtype=FP8, seed=43)
+    k_before = k_cache.copy()
+    message = ("Invalid lowering for fused KV materialization: got 'mosaic_gpu' for a float8_e4m3fn cache, "
+               "expected 'triton' (the Mosaic GPU kernel writes K and V in kv's dtype; an fp8 cache is "
+               "quantized from their fp32 values by the Triton lowering).")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        fused_kv_norm_rope_into_cache(*host, slots.astype(np.int32), k_cache, v_cache, **_static(config), **scales,
+                                      lowering="mosaic_gpu")
+    assert_bit_exact(k_cache, k_before, name="k_cache")
+
+
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests below compile the kernel for real")
 def test_both_entry_points_lower_to_triton_for_a_gpu():
     # Pallas lowers to Triton IR in Python, so a machine without a GPU still catches a
@@ -892,6 +947,19 @@ def test_mosaic_lowers_for_a_gpu(config, total_ctx, options):
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests below compile the kernel for real")
+def test_mosaic_cache_lowers_for_a_gpu_with_its_caches_aliased_to_its_results():
+    config = FusedKVConfig(8, 128, 64, "neox")
+    cache = jax.ShapeDtypeStruct((5, 500, 8, 128), jnp.bfloat16)
+    args = (jax.ShapeDtypeStruct((104, 5, 2 * config.kv_size), jnp.bfloat16),
+            jax.ShapeDtypeStruct((5, config.head_dim), jnp.float32), jax.ShapeDtypeStruct((5,), jnp.float32),
+            jax.ShapeDtypeStruct((100, config.rotary_dim), jnp.float32), jax.ShapeDtypeStruct((104,), jnp.int32),
+            jax.ShapeDtypeStruct((104,), jnp.int32), cache, cache)
+    call = functools.partial(fused_kv_norm_rope_into_cache, **_static(config), interpret=False, lowering="mosaic_gpu")
+    text = jax.jit(call, donate_argnums=(6, 7)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "scatter" in text and "tf.aliasing_output" in text
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU tests below compile the kernel for real")
 def test_mosaic_lowers_for_a_gpu_with_given_outputs_aliased_to_its_results():
     config = FusedKVConfig(8, 128, 64, "neox")
     output = jax.ShapeDtypeStruct(config.output_shape(5, 104), jnp.bfloat16)
@@ -942,3 +1010,20 @@ def test_gpu_mosaic_with_every_option_matches_reference(config, n_layers, total_
     k_expected, v_expected = fused_kv_norm_rope_reference(*host, **_static(config), **options)
     assert_close(k, k_expected)
     assert_close(v, v_expected)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_mosaic_cache_into_donated_paged_cache():
+    total_ctx, num_slots = 4096, 6000
+    slots = np.random.default_rng(6).permutation(num_slots)[:total_ctx].astype(np.int32)
+    slots[::7] = -1
+    host, slots, k_cache, v_cache, _ = _cache_case(
+        DRAFT, n_layers=5, total_ctx=total_ctx, num_slots=num_slots, slots=slots, k_dtype=numpy_dtype("bfloat16"),
+        v_dtype=numpy_dtype("bfloat16"), seed=44)
+    k_device, v_device = jax.device_put(k_cache), jax.device_put(v_cache)
+    step = jax.jit(functools.partial(fused_kv_norm_rope_into_cache, **_static(DRAFT), lowering="mosaic_gpu"),
+                   donate_argnums=(6, 7))
+    k, v = step(*(jax.device_put(a) for a in host), jax.device_put(slots), k_device, v_device)
+    assert k_device.is_deleted()
+    _assert_cache_matches_reference(k, v, host, slots, k_cache, v_cache, {}, DRAFT)
