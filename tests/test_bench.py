@@ -397,8 +397,9 @@ def test_the_options_kind_runs_each_option_beside_the_plain_op_and_fp8_weights_b
     options = [f"{kernel}-{option}" for kernel in ("triton", "pallas") for option in ("v-multiplier", "tables",
                                                                                       "no-k-norm")]
     fp8 = ["torch-gemm-fp8", "torch-materializer-fp8", "jax-gemm-fp8", "jax-materializer-fp8"]
-    assert [i.name for i in runnable] == ["triton", "pallas", "torch-copy", "xla-copy", "torch-gemm",
-                                          "torch-materializer", "jax-gemm", "jax-materializer", *options, *fp8]
+    assert [i.name for i in runnable] == ["triton", "pallas", "pallas-mosaic", "torch-copy", "xla-copy", "torch-gemm",
+                                          "torch-materializer", "jax-gemm", "jax-materializer", *options,
+                                          "pallas-cache", "pallas-mosaic-cache", *fp8]
     assert skipped == []
     assert {name: BY_NAME[name].gemm for name in fp8} == {
         "torch-gemm-fp8": "", "torch-materializer-fp8": "torch-gemm-fp8", "jax-gemm-fp8": "",
@@ -808,7 +809,8 @@ def test_the_pdl_row_is_the_pallas_row_in_a_jit_compiled_with_xla_pdl(monkeypatc
     pytest.param(MOSAIC_TINY, 12, "bfloat16", "Mosaic GPU takes at most 8 tokens or a multiple of 8",
                  marks=pytest.mark.skipif(not ON_GPU, reason="the compiled kernel's rule")),
 ])
-@pytest.mark.parametrize("name", ["pallas-mosaic", "pallas-mosaic-floor", "pallas-mosaic-floor-cos-sin"])
+@pytest.mark.parametrize("name", ["pallas-mosaic", "pallas-mosaic-floor", "pallas-mosaic-floor-cos-sin",
+                                  "pallas-mosaic-cache"])
 def test_the_mosaic_rows_are_not_applicable_where_mosaic_has_no_kernel(shape, tokens, dtype, reason, name):
     pytest.importorskip("jax")
     errors = []
@@ -816,6 +818,29 @@ def test_the_mosaic_rows_are_not_applicable_where_mosaic_has_no_kernel(shape, to
                          effort=ONCE, on_error=lambda failed, trace: errors.append(trace))
     assert measurement.check == f"n/a: {reason}"
     assert measurement.seconds is None and measurement.ok and not errors
+
+
+@pytest.mark.parametrize("name", ["pallas-cache", "pallas-mosaic-cache"])
+def test_the_cache_rows_write_each_token_to_its_slot_and_their_check_reads_the_slots(name):
+    jax = pytest.importorskip("jax")
+    from interop.bench.check import checked_rows
+    from interop.bench.runner import measure
+    from interop.bench.timers import chained_calls
+    from interop.bench.workload import Workload
+
+    workload = Workload(MOSAIC_TINY, 64, "bfloat16", framework="jax", set_count=2)
+    measurement = measure(BY_NAME[name], workload, dataclasses.replace(ONCE, max_calls_per_jit=2),
+                          shape=MOSAIC_TINY, total_ctx=64, dtype="bfloat16")
+    assert measurement.check == "ok" and not measurement.error and measurement.seconds is not None
+    steps = BY_NAME[name].prepare(workload)
+    caches = steps.new_outputs()
+    assert caches[0].shape[1] == workload.num_slots
+    sampled = len(checked_rows(64)) * MOSAIC_TINY.n_layers * MOSAIC_TINY.config.kv_size
+    assert steps.check(caches, 0) == f"FAIL: {2 * sampled} elements unwritten (NaN)"  # the sampled tokens' slots
+    # The caches of set 1's slots, read with set 0's: each of set 0's tokens finds another token's row.
+    run_chain = chained_calls(steps.step, 1, len(steps.varying))
+    written, _ = run_chain(steps.fixed, steps.varying[1:], caches, jax.numpy.zeros(1))
+    assert steps.check(written, 0).startswith("FAIL")
 
 
 @pytest.mark.parametrize("name", ["pallas-mosaic-floor", "pallas-mosaic-floor-cos-sin"])

@@ -70,23 +70,30 @@ def verdict(k, v, k_expected, v_expected, *, v_exact: bool = True) -> str:
 
 
 def op_verdict(k, v, kv, k_norm_weight, eps, cos_sin_cache, positions, *, static: dict, options: dict | None = None,
-               v_exact: bool = True) -> str:
+               v_exact: bool = True, slots=None) -> str:
     """``'ok'``, or what is wrong with ``(k, v)``, the op's outputs for these inputs.
 
     ``k, v``: [n_layers, total_ctx, num_kv_heads, head_dim] and the inputs, arrays of
     any framework on any device (``k_norm_weight`` and ``eps`` None for no K-norm);
     ``static``: the op's ``num_kv_heads``, ``head_dim``, ``rotary_dim`` and ``rope_style``;
     ``options``: the call's ``v_multiplier`` and ``layer_rope_table``, if any; ``v_exact``:
-    see :func:`verdict`.
+    see :func:`verdict`. ``slots``: ``k`` and ``v`` are paged caches holding token ``t``
+    at slot ``slots[t]``; only the sampled tokens' slots are read.
     """
-    unwritten = count_nan(k) + count_nan(v)
+    rows = checked_rows(int(kv.shape[0]))
+    if slots is None:
+        unwritten = count_nan(k) + count_nan(v)
+        got = take_rows(k, rows, 1), take_rows(v, rows, 1)
+    else:
+        at = take_rows(slots, rows, 0)
+        got = take_rows(k, at, 1), take_rows(v, at, 1)
+        unwritten = count_nan(got[0]) + count_nan(got[1])
     if unwritten:
         return f"FAIL: {unwritten} elements unwritten (NaN)"
-    rows = checked_rows(int(kv.shape[0]))
     k_expected, v_expected = fused_kv_norm_rope_reference(
         take_rows(kv, rows, 0), k_norm_weight, eps, as_numpy(cos_sin_cache), take_rows(positions, rows, 0),
         **static, **(options or {}))
-    return verdict(take_rows(k, rows, 1), take_rows(v, rows, 1), k_expected, v_expected, v_exact=v_exact)
+    return verdict(*got, k_expected, v_expected, v_exact=v_exact)
 
 
 def projection_verdict(kv, ctx_hidden, layers, *, tolerance=END_TO_END_TOLERANCE) -> str:

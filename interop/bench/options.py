@@ -4,7 +4,10 @@ given the same option:
 
 * ``*-v-multiplier``: a per-layer ``v_multiplier`` (V scaled in fp32, rounded once);
 * ``*-tables``: two cos/sin tables, the layers alternating between them (``layer_rope_table``);
-* ``*-no-k-norm``: no K-norm (``k_norm_weight`` and ``eps`` None).
+* ``*-no-k-norm``: no K-norm (``k_norm_weight`` and ``eps`` None);
+* ``pallas-cache``, ``pallas-mosaic-cache``: the plain op into paged caches
+  (``fused_kv_norm_rope_into_cache``) on each lowering, every token to a distinct random
+  slot of caches of twice the tokens, beside ``pallas`` and ``pallas-mosaic``.
 
 The option arrays are the workload's (:meth:`~interop.bench.workload.Workload.options`). The
 materializers' FP8 weights rows, of the same kind, are in :mod:`interop.bench.materializers`.
@@ -16,7 +19,7 @@ import dataclasses
 import functools
 
 from interop.bench.check import op_verdict
-from interop.bench.rows import Calls, Steps, op_calls, op_steps, with_options
+from interop.bench.rows import Calls, Steps, nan_pair, op_calls, op_steps, with_options
 from interop.bench.workload import Workload
 
 # Each option's arguments to the op, by name, from the workload's option arrays.
@@ -61,3 +64,24 @@ def pallas_option(workload: Workload, *, option: str) -> Steps:
         return op_verdict(*outputs, kv, *arrays[1:4], positions, static=static, options=keywords)
 
     return dataclasses.replace(op_steps(workload, step), fixed=(arrays[1:4], keywords), check=check)
+
+
+def pallas_cache(workload: Workload, *, lowering: str, kernel_target: str | None = None) -> Steps:
+    """The Pallas kernel on ``lowering`` into paged caches chained through the calls (donated,
+    each updated in place), a set's slots travelling with its ``kv`` and positions;
+    ``kernel_target``: see :class:`~interop.bench.rows.Steps`."""
+    from fusedkv_jax import fused_kv_norm_rope_into_cache
+
+    static = workload.shape.static()
+
+    def step(fixed, varying, caches):
+        kv, positions, slots = varying
+        return fused_kv_norm_rope_into_cache(kv, *fixed, positions, slots, *caches, **static, lowering=lowering)
+
+    def check(caches, index):
+        return op_verdict(*caches, *workload.op_args(index, "jax"), static=static, slots=workload.slots(index, "jax"))
+
+    plain = op_steps(workload, step, kernel_target=kernel_target)
+    return dataclasses.replace(
+        plain, varying=[(*varying, workload.slots(index, "jax")) for index, varying in enumerate(plain.varying)],
+        new_outputs=lambda: nan_pair(workload, "jax", rows=workload.num_slots), check=check)

@@ -191,6 +191,12 @@ def _pallas_mosaic(workload: Workload) -> Steps:
     return pallas_steps(workload, kernel_target=None if interpret else MOSAIC_GPU_TARGET, lowering="mosaic_gpu")
 
 
+def _pallas_mosaic_cache(workload: Workload) -> Steps:
+    """:func:`interop.bench.options.pallas_cache` on the Mosaic GPU lowering."""
+    interpret = _mosaic_interpreted(workload)
+    return options.pallas_cache(workload, lowering="mosaic_gpu", kernel_target=None if interpret else MOSAIC_GPU_TARGET)
+
+
 def _pallas_mosaic_floor(workload: Workload, *, cos_sin: bool) -> Steps:
     """:func:`interop.bench.mosaic_floors.copy` over every input set, checked as a copy of K and V."""
     from interop.bench import mosaic_floors
@@ -404,6 +410,9 @@ IMPLEMENTATIONS = (
       for kernel, framework, prepare in (("triton", "torch", options.triton_option),
                                          ("pallas", "jax", options.pallas_option))
       for option in options.OPTIONS),
+    Implementation("pallas-cache", "jax", "options", functools.partial(options.pallas_cache, lowering="triton"),
+                   beside="pallas"),
+    Implementation("pallas-mosaic-cache", "jax", "options", _pallas_mosaic_cache, beside="pallas-mosaic"),
     Implementation("torch-gemm-fp8", "torch", "options", functools.partial(materializers.torch_gemm, fp8=True),
                    does_op=False, beside="torch-gemm"),
     Implementation("torch-materializer-fp8", "torch", "options",
