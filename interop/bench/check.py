@@ -69,6 +69,16 @@ def verdict(k, v, k_expected, v_expected, *, v_exact: bool = True) -> str:
     return "FAIL: " + (k_result.report() if not k_result.ok else f"v: {v_bad} elements differ")
 
 
+def _sampled(k, v, rows, slots) -> tuple[tuple, int]:
+    """``(k, v)``'s token ``rows`` on the host, and the NaN elements left unwritten: in the
+    whole outputs, or (``slots``: paged caches) in the sampled tokens' slots only."""
+    if slots is None:
+        return (take_rows(k, rows, 1), take_rows(v, rows, 1)), count_nan(k) + count_nan(v)
+    at = take_rows(slots, rows, 0)
+    got = take_rows(k, at, 1), take_rows(v, at, 1)
+    return got, count_nan(got[0]) + count_nan(got[1])
+
+
 def op_verdict(k, v, kv, k_norm_weight, eps, cos_sin_cache, positions, *, static: dict, options: dict | None = None,
                v_exact: bool = True, slots=None) -> str:
     """``'ok'``, or what is wrong with ``(k, v)``, the op's outputs for these inputs.
@@ -81,13 +91,7 @@ def op_verdict(k, v, kv, k_norm_weight, eps, cos_sin_cache, positions, *, static
     at slot ``slots[t]``; only the sampled tokens' slots are read.
     """
     rows = checked_rows(int(kv.shape[0]))
-    if slots is None:
-        unwritten = count_nan(k) + count_nan(v)
-        got = take_rows(k, rows, 1), take_rows(v, rows, 1)
-    else:
-        at = take_rows(slots, rows, 0)
-        got = take_rows(k, at, 1), take_rows(v, at, 1)
-        unwritten = count_nan(got[0]) + count_nan(got[1])
+    got, unwritten = _sampled(k, v, rows, slots)
     if unwritten:
         return f"FAIL: {unwritten} elements unwritten (NaN)"
     k_expected, v_expected = fused_kv_norm_rope_reference(
@@ -126,13 +130,7 @@ def end_to_end_verdict(k, v, layers, ctx_hidden, positions, *, slots=None, toler
     :data:`~interop.testing.FP8_GEMM_TOLERANCE`, as in :func:`projection_verdict`.
     """
     rows = checked_rows(int(ctx_hidden.shape[0]))
-    if slots is None:
-        unwritten = count_nan(k) + count_nan(v)
-        got = take_rows(k, rows, 1), take_rows(v, rows, 1)
-    else:
-        at = take_rows(slots, rows, 0)
-        got = take_rows(k, at, 1), take_rows(v, at, 1)
-        unwritten = count_nan(got[0]) + count_nan(got[1])
+    got, unwritten = _sampled(k, v, rows, slots)
     if unwritten:
         return f"FAIL: {unwritten} elements unwritten (NaN)"
     k_expected, v_expected = materializer_reference(layers, take_rows(ctx_hidden, rows, 0),
