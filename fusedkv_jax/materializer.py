@@ -134,6 +134,7 @@ class FusedKVMaterializer:
         positions: jax.Array,
         *,
         max_position: int | None = None,
+        lowering: str | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """``fused_kv_norm_rope(ctx_hidden @ W^T, ...)`` for all layers.
 
@@ -143,6 +144,7 @@ class FusedKVMaterializer:
             gives a NaN K row, never a read outside it.
           max_position: optional bound on the positions, checked against the table's
             rows on the host (the positions themselves are never read back).
+          lowering: the op's Pallas lowering, as for :func:`fused_kv_norm_rope`.
 
         Returns:
           ``(k, v)``, each dtype[n_layers, total_ctx, num_kv_heads, head_dim].
@@ -150,7 +152,7 @@ class FusedKVMaterializer:
         validate_materialize(ctx_hidden, self.config, max_position, accepted="jax",
                              arrays=(("positions", positions),))
         return _materialize(self, ctx_hidden, narrow_for_jax(positions), interpret=on_cpu(ctx_hidden),
-                            fp8_gemm=_fp8_gemm(self.config, ctx_hidden))
+                            fp8_gemm=_fp8_gemm(self.config, ctx_hidden), lowering=lowering)
 
     def materialize_layers(
         self,
@@ -159,6 +161,7 @@ class FusedKVMaterializer:
         write_layer_kv: Callable[[int, jax.Array, jax.Array], None],
         *,
         max_position: int | None = None,
+        lowering: str | None = None,
     ) -> None:
         """:meth:`materialize`, handing each layer's result to ``write_layer_kv(layer, k, v)``.
 
@@ -166,7 +169,7 @@ class FusedKVMaterializer:
         runs while tracing and receives tracers, so it must return what it makes (e.g.
         into a list the traced function returns) rather than mutate buffers.
         """
-        k, v = self.materialize(ctx_hidden, positions, max_position=max_position)
+        k, v = self.materialize(ctx_hidden, positions, max_position=max_position, lowering=lowering)
         for layer in range(self.config.n_layers):
             write_layer_kv(layer, k[layer], v[layer])
 
@@ -181,8 +184,10 @@ class FusedKVMaterializer:
         k_scale: jax.Array | None = None,
         v_scale: jax.Array | None = None,
         max_position: int | None = None,
+        lowering: str | None = None,
     ) -> tuple[jax.Array, jax.Array]:
-        """:meth:`materialize` scattered into a paged KV cache in one launch, no temporary.
+        """:meth:`materialize` scattered into a paged KV cache in one launch, no temporary
+        (on the Triton lowering; see :func:`fused_kv_norm_rope_into_cache` for Mosaic GPU's).
 
         Token ``t``'s K and V of every layer go to slot ``cache_loc[t]``; slots outside
         ``[0, num_slots)`` (negative ones: padding) keep their contents. ``k_cache`` and
@@ -195,6 +200,7 @@ class FusedKVMaterializer:
             head_dim], one array each (per-layer lists are refused: stacking them would
             copy the whole pool on every call).
           k_scale, v_scale: fp32[n_layers], only for float8_e4m3fn caches (stored: value / scale).
+          lowering: as for :meth:`materialize`.
 
         Returns:
           The updated ``(k_cache, v_cache)``.
@@ -215,7 +221,7 @@ class FusedKVMaterializer:
         return _materialize_into_cache(
             self, ctx_hidden, narrow_for_jax(positions),
             narrow_for_jax(cache_loc), k_cache, v_cache, k_scale, v_scale, interpret=on_cpu(ctx_hidden),
-            fp8_gemm=_fp8_gemm(self.config, ctx_hidden))
+            fp8_gemm=_fp8_gemm(self.config, ctx_hidden), lowering=lowering)
 
 
 def _fp8_gemm(config: MaterializerConfig, ctx_hidden) -> bool:
@@ -293,17 +299,18 @@ def _op_arrays(materializer: FusedKVMaterializer, ctx_hidden: jax.Array, positio
 
 # ``interpret`` is decided before jit, from where ``ctx_hidden`` lives: inside, the kernel
 # sees tracers, which have no device, and would follow the default backend instead.
-@functools.partial(jax.jit, static_argnames=("interpret", "fp8_gemm"))
-def _materialize(materializer, ctx_hidden, positions, *, interpret, fp8_gemm):
+@functools.partial(jax.jit, static_argnames=("interpret", "fp8_gemm", "lowering"))
+def _materialize(materializer, ctx_hidden, positions, *, interpret, fp8_gemm, lowering):
     return fused_kv_norm_rope(*_op_arrays(materializer, ctx_hidden, positions, fp8_gemm),
                               **materializer.config.op_kwargs(), v_multiplier=materializer.v_multiplier,
-                              interpret=interpret, layer_rope_table=materializer.layer_rope_table)
+                              interpret=interpret, lowering=lowering, layer_rope_table=materializer.layer_rope_table)
 
 
-@functools.partial(jax.jit, donate_argnames=("k_cache", "v_cache"), static_argnames=("interpret", "fp8_gemm"))
+@functools.partial(jax.jit, donate_argnames=("k_cache", "v_cache"),
+                   static_argnames=("interpret", "fp8_gemm", "lowering"))
 def _materialize_into_cache(materializer, ctx_hidden, positions, cache_loc, k_cache, v_cache,
-                            k_scale, v_scale, *, interpret, fp8_gemm):
+                            k_scale, v_scale, *, interpret, fp8_gemm, lowering):
     return fused_kv_norm_rope_into_cache(
         *_op_arrays(materializer, ctx_hidden, positions, fp8_gemm), cache_loc, k_cache, v_cache,
         **materializer.config.op_kwargs(), k_scale=k_scale, v_scale=v_scale, v_multiplier=materializer.v_multiplier,
-        interpret=interpret, layer_rope_table=materializer.layer_rope_table)
+        interpret=interpret, lowering=lowering, layer_rope_table=materializer.layer_rope_table)

@@ -108,6 +108,41 @@ def test_a_rejected_call_leaves_the_donated_caches_alive_and_untouched():
     assert bool((k_cache == POISON).all()) and bool((v_cache == POISON).all())
 
 
+def test_every_materializer_path_runs_on_the_mosaic_gpu_lowering():
+    # Mosaic GPU's interpreter takes multiples of 64 tokens.
+    setup = _setup(total_ctx=64, seed=9)
+    kv = setup.materializer.project(setup.ctx_hidden)
+    k, v = setup.materializer.materialize(setup.ctx_hidden, setup.positions, lowering="mosaic_gpu")
+    k_expected, v_expected = setup.case.op_reference(kv)
+    assert_close(k, k_expected)
+    assert_bit_exact(v, v_expected)
+    layers = []
+    setup.materializer.materialize_layers(setup.ctx_hidden, setup.positions,
+                                          lambda layer, k, v: layers.append((layer, k, v)), lowering="mosaic_gpu")
+    assert [layer for layer, _, _ in layers] == [0, 1, 2]
+    assert_bit_exact(np.stack([np.asarray(k) for _, k, _ in layers]), np.asarray(k))
+    k_cache, v_cache = _poisoned_caches(setup, num_slots=70)
+    k_before, v_before = _host(k_cache), _host(v_cache)
+    cache_loc = jnp.arange(64, dtype=jnp.int32)[::-1].at[::9].set(-1)
+    k_new, v_new = setup.materializer.materialize_into_cache(setup.ctx_hidden, setup.positions, cache_loc,
+                                                             k_cache, v_cache, lowering="mosaic_gpu")
+    assert k_cache.is_deleted() and v_cache.is_deleted()
+    k_expected, v_expected = setup.case.op_reference(kv, cache_loc=np.asarray(cache_loc), k_cache=k_before,
+                                                     v_cache=v_before)
+    assert_close(k_new, k_expected)
+    assert_bit_exact(v_new, v_expected)
+
+
+def test_a_call_the_mosaic_gpu_lowering_refuses_leaves_the_donated_caches_alive():
+    setup = _setup(total_ctx=4)
+    k_cache, v_cache = _poisoned_caches(setup)
+    with pytest.raises(ValueError, match=r"^Invalid total_ctx for fused KV materialization with "
+                                         r"lowering='mosaic_gpu': got 4, expected a multiple of 64"):
+        setup.materializer.materialize_into_cache(setup.ctx_hidden, setup.positions, jnp.arange(4, dtype=jnp.int32),
+                                                  k_cache, v_cache, lowering="mosaic_gpu")
+    assert not k_cache.is_deleted() and bool((k_cache == POISON).all()) and bool((v_cache == POISON).all())
+
+
 # --- on a GPU: real sizes, donated caches under jit (every path: the contract suite) ----------
 
 REAL_OP = FusedKVConfig(num_kv_heads=8, head_dim=128, rotary_dim=128)
