@@ -78,9 +78,7 @@ def supports(config: FusedKVConfig, kv_dtype) -> bool:
     if config.rope_style != "neox" or dtype not in [jnp.dtype(d) for d in _KV_DTYPES]:
         return False
     half, tail = config.rotary_dim // 2, config.head_dim - config.rotary_dim
-    # K, V and the K parts out in kv's dtype, the cos/sin rows in fp32.
-    shared_bytes = BLOCK_TOKENS * (3 * config.head_dim * dtype.itemsize + 4 * config.rotary_dim)
-    return (config.head_dim <= _MAX_BOX and shared_bytes <= _SHARED_BYTES
+    return (config.head_dim <= _MAX_BOX and _fits_shared_memory(config, dtype, kv_tiles=2)
             and all(width % 8 == 0 and width * dtype.itemsize % 32 == 0
                     for width in (half, tail, config.head_dim // 2) if width))
 
@@ -98,15 +96,20 @@ def heads_per_program(config: FusedKVConfig, total_ctx: int, n_layers: int, kv_d
     program of several heads fetches the block's cos/sin rows once for all of them and
     keeps the next head's K and V in flight; it needs tiled copies and room for two K and
     two V tiles beside the K parts and the rows (one head a program otherwise)."""
-    itemsize = jnp.dtype(kv_dtype).itemsize
-    shared_bytes = BLOCK_TOKENS * (5 * config.head_dim * itemsize + 4 * config.rotary_dim)
-    if total_ctx % 8 or shared_bytes > _SHARED_BYTES:
+    if total_ctx % 8 or not _fits_shared_memory(config, kv_dtype, kv_tiles=4):
         return 1
     heads = config.num_kv_heads
     block_layers = pl.cdiv(total_ctx, BLOCK_TOKENS) * n_layers
     enough = _PROGRAMS_PER_MULTIPROCESSOR * devices.multiprocessors()
     return max(group for group in range(1, heads + 1)
                if heads % group == 0 and (group == 1 or block_layers * (heads // group) >= enough))
+
+
+def _fits_shared_memory(config: FusedKVConfig, kv_dtype, *, kv_tiles: int) -> bool:
+    """Whether a program's tiles fit: ``kv_tiles`` K and V tiles (one of each, or two of
+    each double-buffered) and the K parts out, in kv's dtype; the cos/sin rows in fp32."""
+    tile_bytes = BLOCK_TOKENS * config.head_dim * jnp.dtype(kv_dtype).itemsize
+    return (kv_tiles + 1) * tile_bytes + BLOCK_TOKENS * 4 * config.rotary_dim <= _SHARED_BYTES
 
 
 def _tile(shape, dtype, *, tiled: bool, start: int = 0):
