@@ -978,9 +978,22 @@ def _mosaic_into_cache(kv, k_norm_weight, eps, cos_sin_cache, positions, cache_l
     k, v = mosaic_kernel.launch(kv, k_norm_weight, eps, cos_sin_cache, positions, None, None, v_multiplier,
                                 layer_rope_table, config=config, interpret=interpret)
     num_slots = k_cache.shape[1]
-    # A negative index would count from the end: every slot out of range is sent past it.
-    slots = jnp.where((cache_loc >= 0) & (cache_loc < num_slots), cache_loc, num_slots)
-    return k_cache.at[:, slots].set(k, mode="drop"), v_cache.at[:, slots].set(v, mode="drop")
+    # A negative index would count from the end: every slot out of range is sent past it,
+    # each to its own, so that the slots stay distinct (the contract's slots in range are).
+    past_end = num_slots + jnp.arange(cache_loc.shape[0], dtype=cache_loc.dtype)
+    slots = jnp.where((cache_loc >= 0) & (cache_loc < num_slots), cache_loc, past_end)
+    return _scatter_rows(k_cache, k, slots), _scatter_rows(v_cache, v, slots)
+
+
+def _scatter_rows(cache, rows, slots):
+    """``cache[:, slots[t]] = rows[:, t]``, a slot past the end dropped; ``slots`` distinct.
+    XLA's scatter moves an element a thread: the rows move as 32-bit words (two 16-bit
+    values each), half the elements."""
+    def words(array):
+        return jax.lax.bitcast_convert_type(array.reshape(*array.shape[:2], -1, 2), jnp.uint32)
+
+    written = words(cache).at[:, slots].set(words(rows), mode="drop", unique_indices=True)
+    return jax.lax.bitcast_convert_type(written, cache.dtype).reshape(cache.shape)
 
 
 def _refusing_cache_derivatives(function, names: tuple):
