@@ -144,7 +144,7 @@ class _Refs(NamedTuple):
 
 def _one_head_kernel(
     refs: _Refs, *, k_tile, v_tiles, out_tiles, positions_tile, cos_sin_tile, row_terms,
-    loaded, positions_loaded, rows_loaded, weight_tile=None,
+    loaded, positions_loaded, rows_loaded, run_loaded, weight_tile=None,
     head_dim: int, rotary_dim: int, tokens_per_block: int, tiled: bool, interpret: bool,
 ):
     """K and V of one head for one layer and ``BLOCK_TOKENS`` tokens: the grid point
@@ -164,13 +164,14 @@ def _one_head_kernel(
     if weight_tile is not None:
         plgpu.copy_gmem_to_smem(refs.weight.at[layer], weight_tile, loaded)
     plgpu.barrier_wait(positions_loaded)
-    _fetch_cos_sin_rows(refs, layer, positions_tile, cos_sin_tile, row_terms, rows_loaded, tokens_per_block)
+    run = _fetch_cos_sin_rows(refs, layer, positions_tile, cos_sin_tile, row_terms, rows_loaded, run_loaded,
+                              tokens_per_block)
 
     plgpu.barrier_wait(loaded)
     _store_v(refs, v_tiles, layer, [(tokens, head, columns) for columns in v_columns], interpret)
     normed = _normalized(_load(k_tile, plgpu.Layout.WGMMA, interpret), _load_weight(weight_tile, interpret),
                          _load(row_terms, plgpu.Layout.WGMMA.reduce(1), interpret), head_dim)
-    plgpu.barrier_wait(rows_loaded)
+    _wait_cos_sin_rows(run, rows_loaded, run_loaded)
     _store_k(_rotated(normed, _load(cos_sin_tile, plgpu.Layout.WGMMA, interpret), rotary_dim),
              out_tiles, refs.k_out, (layer, tokens, head))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -178,7 +179,7 @@ def _one_head_kernel(
 
 def _heads_looped_kernel(
     refs: _Refs, *, k_tiles, v_tiles, out_tiles, positions_tile, cos_sin_tile, row_terms,
-    loaded, fixed_loaded, rows_loaded, weight_tile=None,
+    loaded, fixed_loaded, rows_loaded, run_loaded, weight_tile=None,
     head_dim: int, rotary_dim: int, tokens_per_block: int, heads: int, interpret: bool,
 ):
     """``heads`` heads of one layer for ``BLOCK_TOKENS`` tokens, from head ``group * heads``:
@@ -200,10 +201,11 @@ def _heads_looped_kernel(
         plgpu.copy_gmem_to_smem(refs.weight.at[layer], weight_tile, fixed_loaded)
     fetch_head(0, 0)
     plgpu.barrier_wait(fixed_loaded)
-    _fetch_cos_sin_rows(refs, layer, positions_tile, cos_sin_tile, row_terms, rows_loaded, tokens_per_block)
+    run = _fetch_cos_sin_rows(refs, layer, positions_tile, cos_sin_tile, row_terms, rows_loaded, run_loaded,
+                              tokens_per_block)
     weight = _load_weight(weight_tile, interpret)
     terms = _load(row_terms, plgpu.Layout.WGMMA.reduce(1), interpret)
-    plgpu.barrier_wait(rows_loaded)
+    _wait_cos_sin_rows(run, rows_loaded, run_loaded)
     cos_sin = _load(cos_sin_tile, plgpu.Layout.WGMMA, interpret)
 
     @pl.loop(0, heads)
@@ -224,11 +226,15 @@ def _heads_looped_kernel(
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _fetch_cos_sin_rows(refs: _Refs, layer, positions_tile, cos_sin_tile, row_terms, rows_loaded,
+def _fetch_cos_sin_rows(refs: _Refs, layer, positions_tile, cos_sin_tile, row_terms, rows_loaded, run_loaded,
                         tokens_per_block: int):
-    """Copy each token's cos/sin row of the layer's table (arriving on ``rows_loaded``) and
-    set its row term: the layer's ``eps`` with a K-norm, else 1; NaN for a token without a
-    row (its position, or the layer's table, out of range), which turns its K row into NaN."""
+    """Copy the block's cos/sin rows of the layer's table and set each token's row term:
+    the layer's ``eps`` with a K-norm, else 1; NaN for a token without a row (its
+    position, or the layer's table, out of range), which turns its K row into NaN.
+    Returns whether the block's positions are a run (consecutive and in range): then its
+    rows arrive as one copy on ``run_loaded``, else as one copy a token on
+    ``rows_loaded`` (wait with :func:`_wait_cos_sin_rows`). A run is the common case:
+    a sequence's context positions count up."""
     max_position = refs.cos_sin.shape[-2]
     table_index, table_in_range = (), True
     if refs.table is not None:
@@ -236,15 +242,41 @@ def _fetch_cos_sin_rows(refs: _Refs, layer, positions_tile, cos_sin_tile, row_te
         table_in_range = (table >= 0) & (table < refs.cos_sin.shape[0])
         table_index = (jnp.where(table_in_range, table, 0),)
     term = refs.eps[layer] if refs.eps is not None else jnp.float32(1.0)
+    first = positions_tile[0]
+    run = jax.lax.fori_loop(
+        1, tokens_per_block, lambda token, run: run & (positions_tile[token] == first + token),
+        (first >= 0) & (first <= max_position - tokens_per_block) & table_in_range)
+
+    @pl.when(run)
+    def _fetch_run():
+        plgpu.copy_gmem_to_smem(refs.cos_sin.at[(*table_index, pl.ds(first, tokens_per_block))],
+                                cos_sin_tile.at[pl.ds(0, tokens_per_block)], run_loaded)
 
     @pl.loop(0, tokens_per_block)
     def _fetch_row(token):
         position = positions_tile[token]
         in_range = (position >= 0) & (position < max_position) & table_in_range
-        # A token without a row reads row 0 of table 0 (never outside the cache).
-        plgpu.copy_gmem_to_smem(refs.cos_sin.at[(*table_index, pl.ds(jnp.where(in_range, position, 0), 1))],
-                                cos_sin_tile.at[pl.ds(token, 1)], rows_loaded)
+
+        @pl.when(jnp.logical_not(run))
+        def _copy():
+            # A token without a row reads row 0 of table 0 (never outside the cache).
+            plgpu.copy_gmem_to_smem(refs.cos_sin.at[(*table_index, pl.ds(jnp.where(in_range, position, 0), 1))],
+                                    cos_sin_tile.at[pl.ds(token, 1)], rows_loaded)
+
         row_terms[token] = jnp.where(in_range, term, jnp.float32(jnp.nan))
+
+    return run
+
+
+def _wait_cos_sin_rows(run, rows_loaded, run_loaded):
+    """Wait for the rows :func:`_fetch_cos_sin_rows` asked for (``run``: what it returned)."""
+    @pl.when(run)
+    def _one_copy():
+        plgpu.barrier_wait(run_loaded)
+
+    @pl.when(jnp.logical_not(run))
+    def _a_copy_a_token():
+        plgpu.barrier_wait(rows_loaded)
 
 
 def _load_weight(weight_tile, interpret: bool):
@@ -379,6 +411,7 @@ class _Kernel:
             cos_sin_tile=plgpu.SMEM((BLOCK_TOKENS, rotary_dim), jnp.float32),
             row_terms=plgpu.SMEM((BLOCK_TOKENS,), jnp.float32),
             rows_loaded=plgpu.Barrier(num_arrivals=tokens_per_block),
+            run_loaded=plgpu.Barrier(num_arrivals=1),
         )
         if k_norm:
             shared.update(weight_tile=plgpu.SMEM((dim,), jnp.float32))

@@ -787,6 +787,44 @@ def test_mosaic_takes_every_option_of_the_op_in_programs_of_one_head_and_of_seve
         assert_bit_exact(v, v_expected)
 
 
+def _runs_of_positions(total_ctx: int, max_position: int) -> np.ndarray:
+    """Blocks of 64 positions: a run; a run but for one token; a run into the end of the
+    table (its last tokens out of range); a run up to the end of the table; then runs
+    again from 3 (a sequence's context counting up)."""
+    blocks = [np.arange(64) + 7, np.arange(64) + 130, np.arange(64) + max_position - 40,
+              np.arange(64) + max_position - 64]
+    blocks[1][17] = 5
+    positions = np.concatenate(blocks + [np.arange(total_ctx) + 3])[:total_ctx]
+    return positions.astype(np.int32)
+
+
+@pytest.mark.parametrize("options", ["plain", "layer_rope_table"])
+@pytest.mark.parametrize("n_layers, total_ctx, heads", [(1, 256, 1), (1, 256, 2), (3, 320, 4)])
+def test_mosaic_blocks_of_consecutive_positions_match_the_reference_as_other_blocks_do(
+        options, n_layers, total_ctx, heads, monkeypatch):
+    from fusedkv_jax import mosaic_kernel
+
+    monkeypatch.setattr(devices, "multiprocessors", lambda: 4 if heads > 1 else 64)
+    config = FusedKVConfig(4, 64, 32, "neox")
+    assert mosaic_kernel.heads_per_program(config, total_ctx, n_layers, jnp.bfloat16) == heads
+    max_position = 512
+    kv, weight, eps, cos_sin, _ = _inputs(config, n_layers=n_layers, total_ctx=total_ctx,
+                                          max_position=max_position, seed=80 + heads)
+    positions = _runs_of_positions(total_ctx, max_position)
+    given = {}
+    if options == "layer_rope_table":
+        cos_sin = np.stack([cos_sin, rope_cos_sin_cache(max_position, config.rotary_dim, base=500.0)])
+        # With three layers, one whose table is out of range: its runs are no runs (K all NaN).
+        given["layer_rope_table"] = np.array([1, 0, 2][:n_layers], np.int32)
+    host = (kv, weight, eps, cos_sin, positions)
+    k, v = fused_kv_norm_rope(*host, **_static(config), **given, lowering="mosaic_gpu")
+    k_expected, v_expected = fused_kv_norm_rope_reference(*host, **_static(config), **given)
+    assert_close(k, k_expected)
+    assert_bit_exact(v, v_expected)
+    rows_nan = np.isnan(np.asarray(k, np.float32)).all(axis=(2, 3))
+    assert rows_nan[0].nonzero()[0].tolist() == list(range(128 + 40, 192))
+
+
 @pytest.mark.parametrize("config, total_ctx, n_layers, dtype, heads", [
     (DRAFT, 4096, 5, jnp.bfloat16, 8),  # 320 (block, layer) programs for 132 multiprocessors
     (DRAFT, 256, 5, jnp.bfloat16, 1),  # 20 (block, layer): even 80 programs of 2 heads are too few
@@ -976,6 +1014,22 @@ def test_gpu_mosaic_matches_reference(config, n_layers, total_ctx, dtype):
     host = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, max_position=32768, dtype=dtype,
                    seed=total_ctx)
     host = host[:4] + (np.where(np.arange(total_ctx) % 7 == 3, -1, host[4]).astype(host[4].dtype),)
+    k, v = fused_kv_norm_rope(*(jax.device_put(a) for a in host), **_static(config), lowering="mosaic_gpu")
+    _assert_matches_reference(k, v, host, config)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("config, n_layers, total_ctx", [
+    (DRAFT, 5, 4096),  # programs of every head
+    (FusedKVConfig(8, 192, 192, "neox"), 1, 4096),  # of one head, tiled
+    (FusedKVConfig(4, 128, 64, "neox"), 8, 2104),  # heads looped over, a partial last block
+    (FusedKVConfig(1, 96, 96, "neox"), 2, 8),  # untiled, one block shorter than 64 tokens
+])
+def test_gpu_mosaic_blocks_of_consecutive_positions_match_the_reference(config, n_layers, total_ctx):
+    max_position = 32768
+    host = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, max_position=max_position, seed=90 + total_ctx)
+    host = host[:4] + (_runs_of_positions(total_ctx, max_position),)
     k, v = fused_kv_norm_rope(*(jax.device_put(a) for a in host), **_static(config), lowering="mosaic_gpu")
     _assert_matches_reference(k, v, host, config)
 
