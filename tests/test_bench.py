@@ -1814,3 +1814,31 @@ def test_a_graph_capture_that_fails_twice_or_another_error_is_raised(monkeypatch
     with pytest.raises(RuntimeError, match="illegal memory access"):
         graph_replay_seconds(lambda i: None, 1)
     assert len(attempts) == 1
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_consecutive_positions_count_up_from_a_start_that_keeps_every_token_in_the_table(framework):
+    pytest.importorskip(framework)
+    from interop.bench.shapes import MAX_POSITION
+    from interop.bench.workload import Workload
+
+    device = dict(torch_device="cuda" if ON_GPU else "cpu") if framework == "torch" else {}
+    for total_ctx in (1, 300, MAX_POSITION):
+        workload = Workload(TINY, total_ctx, "bfloat16", framework=framework, set_count=2, positions="consecutive",
+                            **device)
+        starts = set()
+        for index in range(2):
+            positions = workload.op_args(index, framework)[4]
+            positions = positions.cpu().numpy() if framework == "torch" else np.asarray(positions)
+            assert positions.dtype == np.int32
+            assert (np.diff(positions) == 1).all() and 0 <= positions[0] and positions[-1] < MAX_POSITION
+            starts.add(int(positions[0]))
+        assert total_ctx == MAX_POSITION or len(starts) == 2  # each set its own start
+
+
+def test_a_workload_refuses_positions_it_does_not_draw():
+    pytest.importorskip("jax")
+    from interop.bench.workload import Workload
+
+    with pytest.raises(ValueError, match=r"^Invalid positions for the bench's workload: got 'sorted'"):
+        Workload(TINY, 3, "bfloat16", framework="jax", set_count=2, positions="sorted")

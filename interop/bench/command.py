@@ -35,6 +35,7 @@ from interop.bench.shapes import (
     SHAPES,
     BenchShape,
 )
+from interop.bench.workload import POSITIONS
 
 DESCRIPTION = """\
 Time every implementation of the fused KV op on this GPU, in one process: the Triton
@@ -146,6 +147,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--grid-half", choices=GRID_HALVES, default=None,
                         help="with --shape grid: only the configurations of this half (the tile rules' fit half, "
                              "or the half held out from it)")
+    parser.add_argument("--positions", choices=POSITIONS, default="uniform",
+                        help="the tokens' positions: uniform random (default), or consecutive from a random "
+                             "start, as a sequence's context is")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                         help="dtype of kv and outputs (default: bfloat16)")
     parser.add_argument("--only", type=_word_list, default=None,
@@ -414,7 +418,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     meta = dict(command=command_line(args),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 devices=found, versions=_versions(), shapes=[s.name for s in shapes], dtype=args.dtype,
-                tokens=token_counts(args), quick=args.quick, rounds=args.rounds,
+                tokens=token_counts(args), positions=args.positions, quick=args.quick, rounds=args.rounds,
                 max_calls_per_jit=effort.max_calls_per_jit, implementations=[i.name for i in implementations],
                 xla_flags=os.environ.get("XLA_FLAGS", ""))
     if args.shape == "grid":
@@ -423,7 +427,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             else f"{', '.join(meta['shapes'])}, {args.dtype}")
     print(f"fusedkv bench on {', '.join(sorted(set(found.values())))} "
           f"({', '.join(f'{k} {v}' for k, v in meta['versions'].items())}): {what}, "
-          f"tokens {','.join(map(str, meta['tokens']))}; results in {out}/", flush=True)
+          f"tokens {','.join(map(str, meta['tokens']))}, {args.positions} positions; results in {out}/", flush=True)
     for line in meta.get("grid", {}).get("skipped", []):
         print(f"skipped {line}", flush=True)
     if skipped:
@@ -458,6 +462,7 @@ def _measure(shapes, implementations, meta: dict, effort, out: pathlib.Path, cop
             bar.write(f"{failed.implementation} at {failed.tokens} tokens: {failed.error} (see {errors_log})")
 
         return run(tasks, dtype=meta["dtype"], framework=framework, effort=effort, rounds=meta["rounds"],
+                   positions=meta["positions"],
                    progress=bar, on_error=on_error,
                    on_size_done=lambda so_far: write_data(_annotated(so_far, copy, meta)[0], out, meta))
 

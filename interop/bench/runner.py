@@ -295,10 +295,11 @@ def _release_device_memory() -> None:
 
 
 def run(tasks: list[tuple[BenchShape, int, Implementation]], *, dtype: str, framework: str, effort: Effort = FULL,
-        rounds: int = 1, progress=None, on_error: Callable[[Measurement, str], None] | None = None,
+        rounds: int = 1, positions: str = "uniform", progress=None, on_error: Callable[[Measurement, str], None] | None = None,
         on_size_done: Callable[[list[Measurement]], None] | None = None) -> list[Measurement]:
     """Measure ``tasks`` (from :func:`plan`), inputs drawn in ``framework``, each row timed
-    in ``rounds`` alternated rounds (module docstring); in ``dtype``, or a shape's own.
+    in ``rounds`` alternated rounds (module docstring); in ``dtype``, or a shape's own;
+    positions drawn as ``positions`` says (:data:`~interop.bench.workload.POSITIONS`).
 
     ``progress``: a tqdm-like bar, advanced once per row; ``on_size_done(rows so far)``
     after each shape and token count (to write partial results).
@@ -309,7 +310,7 @@ def run(tasks: list[tuple[BenchShape, int, Implementation]], *, dtype: str, fram
         dtype = shape.dtype or run_dtype
         workload = None
         try:
-            workload = Workload(shape, total_ctx, dtype, framework=framework)
+            workload = Workload(shape, total_ctx, dtype, framework=framework, positions=positions)
         except Exception as error:  # every row of this size records it below
             if on_error is not None:
                 on_error(Measurement(shape.name, dtype, "inputs", framework, "-", "-", total_ctx, None, 0,

@@ -4,8 +4,9 @@ Inputs are generated on the GPU in one framework (torch when it sees the GPU, el
 jax) and handed to the other through DLPack without a copy, so every implementation
 reads the very same bytes: ``kv`` gaussian (twice a standard normal, as
 :func:`interop.testing.random_inputs` draws it), positions uniform below
-:data:`~interop.bench.shapes.MAX_POSITION`, and the small per-layer arrays from
-``random_inputs`` itself.
+:data:`~interop.bench.shapes.MAX_POSITION` (or, with ``positions="consecutive"``, a
+sequence's context: counting up from a random start), and the small per-layer arrays
+from ``random_inputs`` itself.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from interop.bench.shapes import MAX_POSITION, BenchShape
 from interop.core.reference import rope_cos_sin_cache
 from interop.exchange import to_framework
 from interop.testing import random_inputs
+
+POSITIONS = ("uniform", "consecutive")  # how a workload draws its tokens' positions
 
 # The H200's L2 (60 MiB), used only where torch cannot read the device's.
 FALLBACK_L2_BYTES = 60 * 2**20
@@ -62,6 +65,11 @@ class _TorchRandom:
         return self._torch.randint(0, MAX_POSITION, (count,), generator=self._generator, device=self._device,
                                    dtype=self._torch.int32)
 
+    def consecutive_positions(self, count: int):
+        torch = self._torch
+        start = torch.randint(0, MAX_POSITION - count + 1, (1,), generator=self._generator, device=self._device)
+        return (start + torch.arange(count, device=self._device)).to(torch.int32)
+
     def slots(self, count: int, num_slots: int):
         torch = self._torch
         return torch.randperm(num_slots, generator=self._generator, device=self._device)[:count].to(torch.int32)
@@ -89,6 +97,10 @@ class _JaxRandom:
     def positions(self, count: int):
         return self._jax.random.randint(self._next_key(), (count,), 0, MAX_POSITION, self._jnp.int32)
 
+    def consecutive_positions(self, count: int):
+        start = self._jax.random.randint(self._next_key(), (1,), 0, MAX_POSITION - count + 1, self._jnp.int32)
+        return start + self._jnp.arange(count, dtype=self._jnp.int32)
+
     def slots(self, count: int, num_slots: int):
         return self._jax.random.permutation(self._next_key(), num_slots)[:count].astype(self._jnp.int32)
 
@@ -114,11 +126,12 @@ class Workload:
     ``framework`` is where the arrays are made; :meth:`op_args` and the other getters
     hand them to either framework (converted once, then kept). ``set_count`` defaults to
     what rotating ``kv`` alone past the L2 takes, and at least two. ``torch_device`` is
-    where torch's arrays live (``"cpu"`` only to exercise the calls without a GPU).
+    where torch's arrays live (``"cpu"`` only to exercise the calls without a GPU);
+    ``positions`` one of :data:`POSITIONS`.
     """
 
     def __init__(self, shape: BenchShape, total_ctx: int, dtype: str, *, framework: str, seed: int = 0,
-                 set_count: int | None = None, torch_device: str = "cuda"):
+                 set_count: int | None = None, torch_device: str = "cuda", positions: str = "uniform"):
         self.shape, self.total_ctx, self.dtype, self.framework = shape, total_ctx, dtype, framework
         self.torch_device = torch_device
         self.set_count = set_count or max(2, input_sets_needed(shape.kv_nbytes(total_ctx, dtype)))
@@ -128,7 +141,11 @@ class Workload:
         self._shared = tuple(self._random.put(a) for a in (host.k_norm_weight, host.eps, host.cos_sin_cache))
         self._options = {name: self._random.put(array) for name, array in _host_options(shape, host, seed).items()}
         self._kv = [self._random.normal(shape.kv_shape(total_ctx), dtype, 2.0) for _ in range(self.set_count)]
-        self._positions = [self._random.positions(total_ctx) for _ in range(self.set_count)]
+        if positions not in POSITIONS:
+            raise ValueError(f"Invalid positions for the bench's workload: got {positions!r}, expected one of "
+                             f"{POSITIONS}.")
+        draw = self._random.consecutive_positions if positions == "consecutive" else self._random.positions
+        self._positions = [draw(total_ctx) for _ in range(self.set_count)]
         self._hidden: list = []
         self._slots: list = []
         self._converted: dict = {}
