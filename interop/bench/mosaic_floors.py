@@ -7,10 +7,11 @@ a program several heads, this is the floor of the one-head plan, not of the kern
 shared-memory tiles and TMA copies, ``k_out``/``v_out`` written through refs the kernel
 aliases, and none of the op's work. :func:`copy` copies each program's K and V tiles
 through shared memory unchanged; with ``cos_sin=True`` a program also copies its tokens'
-positions and then each token's cos/sin row, one copy a token as the kernel does, and
-holds K's store until those rows have arrived. Where the kernel is slower than this floor,
-the difference is its registers' work; where the floor is slower than the Triton
-lowering's floor, it is the plan or the lowering.
+positions and then their cos/sin rows with the kernel's own fetch (one copy for a run of
+consecutive positions, else one a token), and holds K's store until those rows have
+arrived. Where the kernel is slower than this floor, the difference is its registers'
+work; where the floor is slower than the Triton lowering's floor, it is the plan or the
+lowering.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from fusedkv_jax import mosaic_kernel
 
 
 def _copy_block(kv_ref, cos_sin_ref, positions_ref, k_out_ref, v_out_ref, *, k_tile, v_tile, positions_tile,
-                cos_sin_tile, loaded, positions_loaded, rows_loaded, tokens_per_block: int, cos_sin: bool):
+                cos_sin_tile, row_terms, loaded, positions_loaded, rows_loaded, run_loaded, tokens_per_block: int,
+                cos_sin: bool):
     """K and V of one head for one layer and ``BLOCK_TOKENS`` tokens, copied unchanged."""
     block, layer, head = (jax.lax.axis_index(name) for name in mosaic_kernel.GRID_NAMES)
     tokens = pl.ds(block * mosaic_kernel.BLOCK_TOKENS, mosaic_kernel.BLOCK_TOKENS)
@@ -36,19 +38,15 @@ def _copy_block(kv_ref, cos_sin_ref, positions_ref, k_out_ref, v_out_ref, *, k_t
     plgpu.copy_gmem_to_smem(kv_ref.at[tokens, layer, 1, head], v_tile, loaded)
     if cos_sin:
         plgpu.barrier_wait(positions_loaded)
-        max_position = cos_sin_ref.shape[0]
-
-        @pl.loop(0, tokens_per_block)
-        def _fetch_row(token):
-            position = positions_tile[token]
-            in_range = (position >= 0) & (position < max_position)
-            plgpu.copy_gmem_to_smem(cos_sin_ref.at[pl.ds(jnp.where(in_range, position, 0), 1)],
-                                    cos_sin_tile.at[pl.ds(token, 1)], rows_loaded)
+        refs = mosaic_kernel._Refs(kv=kv_ref, cos_sin=cos_sin_ref, positions=positions_ref, k_out=k_out_ref,
+                                   v_out=v_out_ref)
+        run = mosaic_kernel._fetch_cos_sin_rows(refs, layer, positions_tile, cos_sin_tile, row_terms, rows_loaded,
+                                                run_loaded, tokens_per_block)
 
     plgpu.barrier_wait(loaded)
     plgpu.copy_smem_to_gmem(v_tile, v_out_ref.at[layer, tokens, head])
     if cos_sin:
-        plgpu.barrier_wait(rows_loaded)
+        mosaic_kernel._wait_cos_sin_rows(run, rows_loaded, run_loaded)
     plgpu.copy_smem_to_gmem(k_tile, k_out_ref.at[layer, tokens, head])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -70,9 +68,11 @@ def copy(kv, cos_sin_cache, positions, k_dest, v_dest, *, num_kv_heads: int, hea
         v_tile=mosaic_kernel._tile((block, head_dim), kv.dtype, tiled=True),
         positions_tile=plgpu.SMEM((block,), jnp.int32),
         cos_sin_tile=plgpu.SMEM((block, rotary_dim), jnp.float32),
+        row_terms=plgpu.SMEM((block,), jnp.float32),
         loaded=plgpu.Barrier(num_arrivals=2),
         positions_loaded=plgpu.Barrier(num_arrivals=1),
         rows_loaded=plgpu.Barrier(num_arrivals=tokens_per_block),
+        run_loaded=plgpu.Barrier(num_arrivals=1),
     )
     body = functools.partial(_copy_block, tokens_per_block=tokens_per_block, cos_sin=cos_sin)
 
