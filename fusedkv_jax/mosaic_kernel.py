@@ -10,8 +10,9 @@ over its heads, fetching the block's cos/sin rows once for them all. Mosaic GPU 
 array-index gather, so everything the kernel reads arrives by TMA copies whose starts
 are scalars: the ``[64, head_dim]`` K and V tiles of the head (``kv`` viewed as
 ``[total_ctx, n_layers, 2, heads, head_dim]``, a free reshape), the layer's norm
-weight, the block's positions, and then, per token, the cos/sin row at its position
-(in the layer's table, with ``layer_rope_table``) read back from shared memory (an
+weight, the block's positions, and then the cos/sin rows at those positions (in the
+layer's table, with ``layer_rope_table``): one copy for the block where its positions
+count up in range, else one a token at the position read back from shared memory (an
 out-of-range position or table copies row 0 of table 0, never reads outside the cache,
 and makes its row's term NaN, which turns the whole K row into NaN). V goes from shared
 memory straight back out (scaled in its tile first, with a ``v_multiplier``); K is computed in registers in the
