@@ -902,8 +902,8 @@ def fused_kv_norm_rope_into_cache(
     for every token whose slot is in ``[0, num_slots)``; other slots (negative ones
     are padding) are skipped and every other cache entry keeps its value. A
     float8_e4m3fn cache holds ``value / scale[l]`` saturated to +-448, rounded once
-    from fp32. Slots in range must be distinct (which token wins a shared slot is
-    unspecified).
+    from fp32. Slots in range must be distinct (a slot two tokens name holds an
+    unspecified mix of their rows; not checked).
 
     Args (beyond :func:`fused_kv_norm_rope`'s):
       cache_loc: int32/int64[total_ctx] (int64 as for ``positions``).

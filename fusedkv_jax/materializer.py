@@ -190,9 +190,10 @@ class FusedKVMaterializer:
         (on the Triton lowering; see :func:`fused_kv_norm_rope_into_cache` for Mosaic GPU's).
 
         Token ``t``'s K and V of every layer go to slot ``cache_loc[t]``; slots outside
-        ``[0, num_slots)`` (negative ones: padding) keep their contents. ``k_cache`` and
-        ``v_cache`` are donated and updated in place: use the returned arrays (inside
-        your own ``jax.jit``, donate them there to keep the update in place).
+        ``[0, num_slots)`` (negative ones: padding) keep their contents; slots inside it
+        must be distinct (CONTRACT.md). ``k_cache`` and ``v_cache`` are donated and
+        updated in place: use the returned arrays (inside your own ``jax.jit``, donate
+        them there to keep the update in place).
 
         Args (beyond :meth:`materialize`'s):
           cache_loc: int32/int64[total_ctx].

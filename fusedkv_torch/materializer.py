@@ -338,7 +338,8 @@ class FusedKVMaterializer:
         """:meth:`materialize` scattered into a paged KV cache in one launch, no temporary.
 
         Token ``t``'s K and V of every layer go to slot ``cache_loc[t]``; slots outside
-        ``[0, num_slots)`` (negative ones: padding) are skipped.
+        ``[0, num_slots)`` (negative ones: padding) are skipped; slots inside it must be
+        distinct (CONTRACT.md).
 
         Args (beyond :meth:`materialize`'s):
           cache_loc: int32/int64[total_ctx].

@@ -538,7 +538,8 @@ def fused_kv_norm_rope_into_cache(
 
     ``k_cache[l, cache_loc[t]]`` and ``v_cache[l, cache_loc[t]]`` receive token t's K and V
     for every layer l. Slots outside [0, num_slots) (negative ones are padding) are
-    skipped without a device sync.
+    skipped without a device sync; slots inside it must be distinct (a slot two tokens
+    name holds an unspecified mix of their rows; not checked).
 
     Args (beyond :func:`fused_kv_norm_rope`'s):
       cache_loc: int32/int64[total_ctx], any device (moved to kv's).
