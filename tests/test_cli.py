@@ -337,7 +337,7 @@ def test_json_names_each_option_as_its_flag(capsys):
     assert options == {"layers": 2, "heads": 2, "head_dim": 32, "rotary_dim": 32, "rope_style": "neox",
                        "dtype": "bfloat16", "table_dtype": "float32", "tables": 1, "no_k_norm": False,
                        "v_multiplier": False, "grad": False, "tokens": 5, "max_position": 32768, "seed": 0,
-                       "backends": ["jax"]}
+                       "backends": ["jax"], "lowering": None}
 
 
 def test_check_runs_a_table_in_the_model_dtype_on_every_backend(capsys):
@@ -487,3 +487,46 @@ def test_a_backend_with_wrong_gradients_is_found_to_disagree(corruption):
     assert set(failed) == {("jax", "reference"), ("torch", "jax")}
     shown = "jax grad_k_norm_weight" if corruption == "scaled weight gradient" else "no grad_v_multiplier"
     assert shown in failed[("jax", "reference")].detail
+
+
+MOSAIC = ["--lowering", "mosaic_gpu", "--tokens", "64", "--heads", "2", "--head-dim", "64"]
+
+
+def test_check_runs_the_jax_kernel_on_the_lowering_it_is_given_and_fails_where_that_kernel_is_wrong(
+        capsys, monkeypatch):
+    assert cli.main(["check", *MOSAIC, "--layers", "2", "--grad"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].endswith("jax on mosaic_gpu") and out.rstrip().endswith("ALL PASS")
+    from fusedkv_jax import mosaic_kernel
+
+    launch = mosaic_kernel.launch
+
+    def k_one_percent_off(*args, **kwargs):
+        k, v = launch(*args, **kwargs)
+        return k * 1.01, v
+
+    # Three layers: a shape no earlier call traced, so that the jit traces the corrupted launch.
+    monkeypatch.setattr(mosaic_kernel, "launch", k_one_percent_off)
+    assert cli.main(["check", *MOSAIC, "--layers", "3", "--backends", "jax"]) == 1
+    jax_row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("jax "))
+    assert "FAIL" in jax_row and ("Mosaic GPU" in jax_row or not ON_CPU)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--backends", "torch", "--lowering", "triton"], r"argument --lowering: got triton, expected the jax backend"),
+    (["--lowering", "mosaic_gpu", "--rope-style", "gptj", "--tokens", "64"],
+     r"argument --lowering: got mosaic_gpu for gptj, .* expected triton there"),
+    (["--lowering", "mosaic_gpu", "--dtype", "float32", "--tokens", "64"],
+     r"argument --lowering: got mosaic_gpu for neox, .*float32, expected triton there"),
+    (["--lowering", "mosaic_gpu", "--tokens", "12"], r"argument --tokens: got 12 with --lowering mosaic_gpu"),
+])
+def test_check_refuses_a_lowering_that_cannot_run_before_running_anything(argv, message, capsys, monkeypatch):
+    assert re.match(message, _refusal(argv, capsys, monkeypatch))
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the rule of Mosaic GPU's interpreter, without a GPU")
+def test_check_on_mosaic_gpu_without_a_gpu_takes_64_tokens_unless_told_and_refuses_16(capsys, monkeypatch):
+    assert CheckOptions(lowering="mosaic_gpu").tokens() == 64 and CheckOptions().tokens() == 16
+    assert _refusal(["--lowering", "mosaic_gpu", "--tokens", "16"], capsys, monkeypatch) == (
+        "argument --tokens: got 16 with --lowering mosaic_gpu, expected a multiple of 64 without a GPU "
+        "(Mosaic GPU's interpreter)")

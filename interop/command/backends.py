@@ -73,8 +73,9 @@ class Platform:
     how: str
 
 
-def platform(name: str) -> Platform:
-    """What backend ``name`` runs on here, read from the frameworks without running anything."""
+def platform(name: str, lowering: str | None = None) -> Platform:
+    """What backend ``name`` runs on here, read from the frameworks without running anything;
+    ``lowering``: the jax backend's Pallas lowering, None for its default."""
     if not registry.backend_installed(name):
         needs = "torch and triton" if name == "torch" else "jax"
         return Platform(name, "-", f"not installed: needs {needs} (pip install fusedkv[{name}])")
@@ -94,12 +95,14 @@ def platform(name: str) -> Platform:
                         f"Triton kernel, compiled for {gpu} (compute capability {major}.{minor})")
     import jax
 
+    mosaic = lowering == "mosaic_gpu"
+    kernel = f"Pallas kernel ({'Mosaic GPU' if mosaic else 'Triton'} lowering)"
     if jax.default_backend() != "gpu":
-        return Platform(name, "CPU (Pallas interpret)",
-                        "Pallas kernel (Triton lowering), interpret mode because jax has no GPU "
+        return Platform(name, "CPU (Mosaic GPU interpret)" if mosaic else "CPU (Pallas interpret)",
+                        f"{kernel}, interpret mode because jax has no GPU "
                         f"(its default backend is {jax.default_backend()})")
     kind = jax.devices()[0].device_kind
-    return Platform(name, f"GPU ({kind})", f"Pallas kernel (Triton lowering), compiled for {kind}")
+    return Platform(name, f"GPU ({kind})", f"{kernel}, compiled for {kind}")
 
 
 def triton_interpreted() -> bool:
@@ -132,28 +135,39 @@ def _wait(outputs):
     return outputs
 
 
-def run_backend(name: str, placed: tuple, config: FusedKVConfig) -> BackendRun:
+def run_backend(name: str, placed: tuple, config: FusedKVConfig, lowering: str | None = None) -> BackendRun:
     """Call backend ``name`` twice on ``placed`` and time both calls (the first compiles).
 
     ``placed``: the op's five arrays, then ``v_multiplier`` and ``layer_rope_table`` (or None).
+    ``lowering``: the jax backend's Pallas lowering, None for its default; given, the jax
+    kernel is called from ``fusedkv_jax`` on the same buffers (as the gradients are), since
+    :mod:`interop.dispatch` is the same for every backend and takes no lowering.
     """
     try:
         registry.load_backend(name)
     except ImportError as error:
         raise BackendUnavailable(f"{name} backend not installed ({error})") from error
 
+    static = dict(num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, rotary_dim=config.rotary_dim,
+                  rope_style=config.rope_style)
+
     def call():
-        return _wait(dispatch.fused_kv_norm_rope(
-            *placed[:5], num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-            rotary_dim=config.rotary_dim, rope_style=config.rope_style, v_multiplier=placed[5],
-            backend=name, layer_rope_table=placed[6]))
+        if lowering is not None:
+            import fusedkv_jax
+
+            arrays = [None if a is None else to_jax(a) for a in placed]
+            return _wait(fusedkv_jax.fused_kv_norm_rope(*arrays[:5], **static, v_multiplier=arrays[5],
+                                                        layer_rope_table=arrays[6], lowering=lowering))
+        return _wait(dispatch.fused_kv_norm_rope(*placed[:5], **static, v_multiplier=placed[5], backend=name,
+                                                 layer_rope_table=placed[6]))
 
     start = time.perf_counter()
     call()
     first = time.perf_counter()
     k, v = call()
     second = time.perf_counter()
-    return BackendRun(name, platform(name).device, as_numpy(k), as_numpy(v), first - start, second - first)
+    return BackendRun(name, platform(name, lowering).device, as_numpy(k), as_numpy(v), first - start,
+                      second - first)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,10 +183,12 @@ class GradientRun:
 GRADIENT_NAMES = ("grad_kv", "grad_k_norm_weight", "grad_v_multiplier")
 
 
-def run_backend_gradients(name: str, placed: tuple, cotangents: tuple, config: FusedKVConfig) -> GradientRun:
+def run_backend_gradients(name: str, placed: tuple, cotangents: tuple, config: FusedKVConfig,
+                          lowering: str | None = None) -> GradientRun:
     """Backend ``name``'s gradients of its op on ``placed`` (as :func:`run_backend`'s) for the
     outputs' cotangents ``(grad_k, grad_v)``: torch's autograd through
-    ``fusedkv_torch.fused_kv_norm_rope``, ``jax.vjp`` of ``fusedkv_jax.fused_kv_norm_rope``."""
+    ``fusedkv_torch.fused_kv_norm_rope``, ``jax.vjp`` of ``fusedkv_jax.fused_kv_norm_rope``
+    (its forward on ``lowering``, as for :func:`run_backend`)."""
     try:
         registry.load_backend(name)
     except ImportError as error:
@@ -204,9 +220,10 @@ def run_backend_gradients(name: str, placed: tuple, cotangents: tuple, config: F
         def op(differentiated):
             return fusedkv_jax.fused_kv_norm_rope(
                 differentiated["grad_kv"], differentiated.get("grad_k_norm_weight"), rest[0], rest[1], rest[2],
-                **static, v_multiplier=differentiated.get("grad_v_multiplier"), layer_rope_table=rest[3])
+                **static, v_multiplier=differentiated.get("grad_v_multiplier"), layer_rope_table=rest[3],
+                lowering=lowering)
 
         _, vjp = jax.vjp(op, {grad: to_jax(array) for grad, array in wrt.items()})
         by_name, = vjp(tuple(to_jax(g) for g in cotangents))
         grads = [by_name[grad] for grad in wrt]
-    return GradientRun(name, platform(name).device, {grad: as_numpy(g) for grad, g in zip(wrt, grads)})
+    return GradientRun(name, platform(name, lowering).device, {grad: as_numpy(g) for grad, g in zip(wrt, grads)})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -21,6 +22,7 @@ from interop.testing import bit_mismatches, compare, gradient_mismatch, random_i
 
 DEFAULT_TOKENS_GPU = 4096
 DEFAULT_TOKENS_CPU = 16
+DEFAULT_TOKENS_CPU_MOSAIC = 64  # Mosaic GPU's interpreter copies whole blocks of 64 tokens
 
 # What a check holds on the host at its peak, per element of kv: the inputs, the fp32
 # reference, each backend's outputs and the comparisons' fp64 copies; per element of the
@@ -82,6 +84,7 @@ class CheckOptions:
     max_position: int = 32768
     seed: int = 0
     backends: tuple[str, ...] | None = None
+    lowering: str | None = None  # the jax backend's Pallas lowering; None: its default
 
     @property
     def config(self) -> FusedKVConfig:
@@ -92,10 +95,13 @@ class CheckOptions:
         return self.backends or BACKENDS
 
     def tokens(self) -> int:
-        """``total_ctx``, or its default: 4096 tokens with a GPU, 16 in CPU interpret mode."""
+        """``total_ctx``, or its default: 4096 tokens with a GPU, 16 in CPU interpret mode (64
+        with the jax kernel on Mosaic GPU)."""
         if self.total_ctx is not None:
             return self.total_ctx
-        return DEFAULT_TOKENS_CPU if gpu_framework() is None else DEFAULT_TOKENS_GPU
+        if gpu_framework() is not None:
+            return DEFAULT_TOKENS_GPU
+        return DEFAULT_TOKENS_CPU_MOSAIC if self.lowering == "mosaic_gpu" else DEFAULT_TOKENS_CPU
 
     def kv_elements(self) -> int:
         return self.tokens() * self.n_layers * 2 * self.num_kv_heads * self.head_dim
@@ -189,9 +195,10 @@ def title(options: CheckOptions, total_ctx: int) -> str:
     else:
         table = f", {dtype}cos/sin table" if dtype else ""
     variants = table + ("" if o.k_norm else ", no K-norm") + (", v_multiplier" if o.v_multiplier else "")
+    lowering = "" if o.lowering is None else f", jax on {o.lowering}"
     return (f"fusedkv check: {o.n_layers} layers, {o.num_kv_heads} KV heads, head_dim "
             f"{o.head_dim}, rotary_dim {o.rotary_dim} ({o.rope_style}), {o.dtype}{variants}, "
-            f"{total_ctx} tokens, seed {o.seed}")
+            f"{total_ctx} tokens, seed {o.seed}{lowering}")
 
 
 def header() -> str:
@@ -273,7 +280,7 @@ class CheckReport:
                         "table_dtype": o.table_dtype, "tables": o.tables, "no_k_norm": not o.k_norm,
                         "v_multiplier": o.v_multiplier, "grad": o.grad, "tokens": self.total_ctx,
                         "max_position": o.max_position, "seed": o.seed,
-                        "backends": list(o.backend_names)},
+                        "backends": list(o.backend_names), "lowering": o.lowering},
             "ok": self.ok,
             "rows": [dataclasses.asdict(row) for row in self.rows],
             "gradient_rows": [dataclasses.asdict(row) for row in self.gradient_rows],
@@ -382,6 +389,13 @@ def _gradient_rows(options: CheckOptions, arrays: tuple, placed: tuple, runners:
         emit(_gradient_compare(first.name, first.device, second.name, first.grads, second.grads, options.dtype))
 
 
+def _lowered(runner, name: str, options: CheckOptions):
+    """``runner`` for backend ``name``, the jax one on ``options.lowering`` where given."""
+    if name == "jax" and options.lowering is not None:
+        return functools.partial(runner, lowering=options.lowering)
+    return runner
+
+
 def run_check(options: CheckOptions, runners=None, on_row: Callable[[Row], None] | None = None,
               gradient_runners=None) -> CheckReport:
     """Run the reference and the chosen backends on one set of inputs and compare them all.
@@ -395,8 +409,9 @@ def run_check(options: CheckOptions, runners=None, on_row: Callable[[Row], None]
     (``(name, placed_inputs, placed_cotangents, config) -> GradientRun``, default
     :func:`interop.command.backends.run_backend_gradients`).
     """
-    runners = runners or {name: run_backend for name in options.backend_names}
-    gradient_runners = gradient_runners or {name: run_backend_gradients for name in options.backend_names}
+    runners = runners or {name: _lowered(run_backend, name, options) for name in options.backend_names}
+    gradient_runners = gradient_runners or {name: _lowered(run_backend_gradients, name, options)
+                                            for name in options.backend_names}
     rows, gradient_rows = [], []
 
     def emit(row: Row | GradientRow) -> None:

@@ -17,6 +17,7 @@ from interop.registry import BACKENDS
 from interop.core.spec import ROPE_TABLE_DTYPES
 from interop.command.check import (
     DEFAULT_TOKENS_CPU,
+    DEFAULT_TOKENS_CPU_MOSAIC,
     DEFAULT_TOKENS_GPU,
     CheckOptions,
     GradientRow,
@@ -112,13 +113,17 @@ def _parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentPars
                             "and each other")
     check.add_argument("--tokens", type=_positive, default=None, metavar="N",
                        help=f"total_ctx (default: {DEFAULT_TOKENS_GPU} with a GPU, "
-                            f"{DEFAULT_TOKENS_CPU} in CPU interpret mode)")
+                            f"{DEFAULT_TOKENS_CPU} in CPU interpret mode, {DEFAULT_TOKENS_CPU_MOSAIC} there "
+                            "with --lowering mosaic_gpu)")
     check.add_argument("--max-position", type=_positive, default=32768, metavar="N",
                        help="rows of the cos/sin cache; positions are drawn below it (default: 32768)")
     check.add_argument("--seed", type=_non_negative, default=0, help="seed of the random inputs (default: 0)")
     check.add_argument("--backends", type=_backend_list, default=None, metavar="LIST",
                        help="'all' or a comma-separated subset of: torch, jax; the reference always "
                             "runs (default: all)")
+    check.add_argument("--lowering", choices=("triton", "mosaic_gpu"), default=None,
+                       help="the jax backend's Pallas lowering (default: the op's default, triton); "
+                            "mosaic_gpu takes neox, bf16/fp16 kv, and without a GPU multiples of 64 tokens")
     check.add_argument("--json", action="store_true",
                        help="print the result as one JSON document at the end instead of the table")
     info = commands.add_parser(
@@ -165,8 +170,10 @@ def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         rotary_dim=rotary_dim, rope_style=args.rope_style, dtype=args.dtype, table_dtype=args.table_dtype,
         tables=args.tables, k_norm=not args.no_k_norm, v_multiplier=args.v_multiplier, grad=args.grad,
         total_ctx=args.tokens, max_position=args.max_position, seed=args.seed,
-        backends=args.backends,
+        backends=args.backends, lowering=args.lowering,
     )
+    if options.lowering is not None:
+        _check_lowering(parser, options)
     shape = (f"{options.tokens()} tokens x {options.n_layers} layers x {options.num_kv_heads} KV heads "
              f"x head_dim {options.head_dim}")
     kv_bytes, table_bytes = options.host_bytes()
@@ -192,6 +199,30 @@ def _check_options(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
             print(f"fusedkv check: {shape} in interpret mode (no GPU here): expect about "
                   f"{_about(seconds)}", file=sys.stderr, flush=True)
     return options
+
+
+def _check_lowering(parser: argparse.ArgumentParser, options: CheckOptions) -> None:
+    """An argparse error where ``--lowering`` cannot run: without the jax backend, or on
+    Mosaic GPU for a configuration or context it does not take."""
+    if "jax" not in options.backend_names:
+        parser.error(f"argument --lowering: got {options.lowering}, expected the jax backend among --backends "
+                     f"(got {','.join(options.backend_names)}): it picks the jax kernel's lowering")
+    if options.lowering != "mosaic_gpu" or not registry.backend_installed("jax"):
+        return
+    import jax
+
+    from fusedkv_jax import mosaic_kernel
+
+    if not mosaic_kernel.supports(options.config, options.dtype):
+        parser.error(f"argument --lowering: got mosaic_gpu for {options.rope_style}, head_dim {options.head_dim}, "
+                     f"rotary_dim {options.rotary_dim}, {options.dtype}, expected triton there (Mosaic GPU takes "
+                     "bf16/fp16 neox with rotary halves and tail in multiples of 8 columns and 32 bytes, "
+                     "head_dim <= 256)")
+    interpret = jax.default_backend() != "gpu"
+    if not mosaic_kernel.supports_context(options.tokens(), interpret=interpret):
+        expected = (f"a multiple of {mosaic_kernel.BLOCK_TOKENS} without a GPU (Mosaic GPU's interpreter)"
+                    if interpret else "at most 8 or a multiple of 8")
+        parser.error(f"argument --tokens: got {options.tokens()} with --lowering mosaic_gpu, expected {expected}")
 
 
 def _physical_memory() -> int | None:
