@@ -218,10 +218,10 @@ def test_info_names_versions_devices_and_how_each_backend_runs(capsys):
     else:
         assert lines["torch"] == ("torch: Triton kernel, interpreted (TRITON_INTERPRET=1) "
                                   "because torch sees no CUDA device")
-    if jax.default_backend() == "gpu":
-        assert lines["jax"].startswith("jax: Pallas kernel (Triton lowering), compiled for ")
-    else:
-        assert lines["jax"].startswith("jax: Pallas kernel (Triton lowering), interpret mode because jax has no GPU")
+    how = "compiled for " if jax.default_backend() == "gpu" else "interpret mode because jax has no GPU"
+    assert lines["jax"].startswith(f"jax: Pallas kernel (Triton lowering), {how}")
+    assert lines["jax with --lowering mosaic_gpu"].startswith(
+        f"jax with --lowering mosaic_gpu: Pallas kernel (Mosaic GPU lowering), {how}")
 
 
 def _info_with(monkeypatch, capsys, *, torch_gpu: bool, jax_backend: str, torch_cuda) -> str:

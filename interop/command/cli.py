@@ -293,6 +293,8 @@ def _info() -> int:
     lines += [f"  {line}" for line in _devices()]
     lines.append("backends:")
     lines += [f"  {name}: {backends.platform(name).how}" for name in BACKENDS]
+    if registry.backend_installed("jax"):
+        lines.append(f"  jax with --lowering mosaic_gpu: {backends.platform('jax', 'mosaic_gpu').how}")
     lines.append(f"fusedkv check: inputs as {backends.inputs_placement()}, "
                  f"{CheckOptions().tokens()} tokens by default")
     # A plain `pip install jax` is CPU-only: beside a CUDA torch it leaves the Pallas kernel
