@@ -244,9 +244,14 @@ def _fetch_cos_sin_rows(refs: _Refs, layer, positions_tile, cos_sin_tile, row_te
         table_index = (jnp.where(table_in_range, table, 0),)
     term = refs.eps[layer] if refs.eps is not None else jnp.float32(1.0)
     first = positions_tile[0]
-    run = jax.lax.fori_loop(
-        1, tokens_per_block, lambda token, run: run & (positions_tile[token] == first + token),
-        (first >= 0) & (first <= max_position - tokens_per_block) & table_in_range)
+
+    def counts_up(state):  # on to the next token while every one so far counts up from the first
+        token, _ = state
+        return token + 1, positions_tile[token] == first + token
+
+    _, run = jax.lax.while_loop(
+        lambda state: state[1] & (state[0] < tokens_per_block), counts_up,
+        (jnp.int32(1), (first >= 0) & (first <= max_position - tokens_per_block) & table_in_range))
 
     @pl.when(run)
     def _fetch_run():
