@@ -852,23 +852,16 @@ def _lowering(lowering, call, kv_dtype, interpret: bool, *, tuned: bool) -> str:
         raise ValueError(f"Invalid lowering for fused KV materialization: got {lowering!r}, "
                          f"expected one of {LOWERINGS} or None.")
     if lowering == "mosaic_gpu":
-        config = call.config
-        if not mosaic_kernel.supports(config, kv_dtype):
-            raise ValueError(
-                "Invalid lowering for fused KV materialization: got 'mosaic_gpu' for "
-                f"rope_style={config.rope_style!r}, head_dim={config.head_dim}, "
-                f"rotary_dim={config.rotary_dim}, dtype={jnp.dtype(kv_dtype).name}, expected "
-                "'triton' (Mosaic GPU takes bf16/fp16 neox with rotary halves and tail in "
-                "multiples of 8 columns and 32 bytes, head_dim <= 256).")
+        refused = mosaic_kernel.refused_config(call.config, kv_dtype)
+        if refused:
+            raise ValueError(f"Invalid lowering for fused KV materialization: {refused}.")
         if tuned:
             raise ValueError("Invalid tile override for fused KV materialization: got "
                              "block_tokens/block_heads/num_warps with lowering='mosaic_gpu', "
                              "expected them only with the Triton lowering.")
-        if not mosaic_kernel.supports_context(call.total_ctx, interpret=interpret):
-            expected = (f"a multiple of {mosaic_kernel.BLOCK_TOKENS} in interpret mode"
-                        if interpret else "at most 8 or a multiple of 8")
-            raise ValueError("Invalid total_ctx for fused KV materialization with "
-                             f"lowering='mosaic_gpu': got {call.total_ctx}, expected {expected}.")
+        refused = mosaic_kernel.refused_context(call.total_ctx, interpret=interpret)
+        if refused:
+            raise ValueError(f"Invalid total_ctx for fused KV materialization with lowering='mosaic_gpu': {refused}.")
     return lowering
 
 

@@ -91,6 +91,26 @@ def supports_context(total_ctx: int, *, interpret: bool) -> bool:
     return total_ctx <= 8 or total_ctx % 8 == 0
 
 
+def refused_config(config: FusedKVConfig, kv_dtype) -> str | None:
+    """Why this kernel does not take ``config`` for ``kv`` of ``kv_dtype`` ("got ...,
+    expected ..."), or None where it does (:func:`supports`)."""
+    if supports(config, kv_dtype):
+        return None
+    return (f"got 'mosaic_gpu' for rope_style={config.rope_style!r}, head_dim={config.head_dim}, "
+            f"rotary_dim={config.rotary_dim}, dtype={jnp.dtype(kv_dtype).name}, expected 'triton' (Mosaic GPU "
+            "takes bf16/fp16 neox with rotary halves and tail in multiples of 8 columns and 32 bytes, "
+            "head_dim <= 256)")
+
+
+def refused_context(total_ctx: int, *, interpret: bool) -> str | None:
+    """Why this kernel does not take ``total_ctx`` tokens ("got ..., expected ..."), or
+    None where it does (:func:`supports_context`)."""
+    if supports_context(total_ctx, interpret=interpret):
+        return None
+    expected = f"a multiple of {BLOCK_TOKENS} in interpret mode" if interpret else "at most 8 or a multiple of 8"
+    return f"got {total_ctx}, expected {expected}"
+
+
 def heads_per_program(config: FusedKVConfig, total_ctx: int, n_layers: int, kv_dtype) -> int:
     """The heads a program takes (:func:`_heads_looped_kernel` where more than one): the
     most that divide the heads and still leave every multiprocessor two programs. A

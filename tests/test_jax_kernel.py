@@ -1009,27 +1009,19 @@ def test_mosaic_lowers_for_a_gpu_with_given_outputs_aliased_to_its_results():
     (FusedKVConfig(2, 256, 256, "neox"), 5, 136, "bfloat16"),
     (FusedKVConfig(4, 128, 64, "neox"), 8, 2104, "float16"),  # heads looped over, a partial last block
     (FusedKVConfig(8, 64, 32, "neox"), 3, 4096, "bfloat16"),  # programs of 4 of the 8 heads on 132 multiprocessors
+    (FusedKVConfig(8, 192, 192, "neox"), 1, 4096, "bfloat16"),  # of one head, tiled
+    (FusedKVConfig(1, 96, 96, "neox"), 2, 8, "bfloat16"),  # untiled, one block shorter than 64 tokens
 ])
-def test_gpu_mosaic_matches_reference(config, n_layers, total_ctx, dtype):
-    host = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, max_position=32768, dtype=dtype,
-                   seed=total_ctx)
-    host = host[:4] + (np.where(np.arange(total_ctx) % 7 == 3, -1, host[4]).astype(host[4].dtype),)
-    k, v = fused_kv_norm_rope(*(jax.device_put(a) for a in host), **_static(config), lowering="mosaic_gpu")
-    _assert_matches_reference(k, v, host, config)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("config, n_layers, total_ctx", [
-    (DRAFT, 5, 4096),  # programs of every head
-    (FusedKVConfig(8, 192, 192, "neox"), 1, 4096),  # of one head, tiled
-    (FusedKVConfig(4, 128, 64, "neox"), 8, 2104),  # heads looped over, a partial last block
-    (FusedKVConfig(1, 96, 96, "neox"), 2, 8),  # untiled, one block shorter than 64 tokens
-])
-def test_gpu_mosaic_blocks_of_consecutive_positions_match_the_reference(config, n_layers, total_ctx):
+@pytest.mark.parametrize("positions", ["uniform, every 7th padding", "runs"])
+def test_gpu_mosaic_matches_reference(config, n_layers, total_ctx, dtype, positions):
     max_position = 32768
-    host = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, max_position=max_position, seed=90 + total_ctx)
-    host = host[:4] + (_runs_of_positions(total_ctx, max_position),)
+    host = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, max_position=max_position, dtype=dtype,
+                   seed=total_ctx)
+    if positions == "runs":
+        drawn = _runs_of_positions(total_ctx, max_position)
+    else:
+        drawn = np.where(np.arange(total_ctx) % 7 == 3, -1, host[4]).astype(host[4].dtype)
+    host = host[:4] + (drawn,)
     k, v = fused_kv_norm_rope(*(jax.device_put(a) for a in host), **_static(config), lowering="mosaic_gpu")
     _assert_matches_reference(k, v, host, config)
 

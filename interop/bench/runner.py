@@ -295,7 +295,8 @@ def _release_device_memory() -> None:
 
 
 def run(tasks: list[tuple[BenchShape, int, Implementation]], *, dtype: str, framework: str, effort: Effort = FULL,
-        rounds: int = 1, positions: str = "uniform", progress=None, on_error: Callable[[Measurement, str], None] | None = None,
+        rounds: int = 1, positions: str = "uniform", progress=None,
+        on_error: Callable[[Measurement, str], None] | None = None,
         on_size_done: Callable[[list[Measurement]], None] | None = None) -> list[Measurement]:
     """Measure ``tasks`` (from :func:`plan`), inputs drawn in ``framework``, each row timed
     in ``rounds`` alternated rounds (module docstring); in ``dtype``, or a shape's own;

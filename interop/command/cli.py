@@ -213,16 +213,12 @@ def _check_lowering(parser: argparse.ArgumentParser, options: CheckOptions) -> N
 
     from fusedkv_jax import mosaic_kernel
 
-    if not mosaic_kernel.supports(options.config, options.dtype):
-        parser.error(f"argument --lowering: got mosaic_gpu for {options.rope_style}, head_dim {options.head_dim}, "
-                     f"rotary_dim {options.rotary_dim}, {options.dtype}, expected triton there (Mosaic GPU takes "
-                     "bf16/fp16 neox with rotary halves and tail in multiples of 8 columns and 32 bytes, "
-                     "head_dim <= 256)")
-    interpret = jax.default_backend() != "gpu"
-    if not mosaic_kernel.supports_context(options.tokens(), interpret=interpret):
-        expected = (f"a multiple of {mosaic_kernel.BLOCK_TOKENS} without a GPU (Mosaic GPU's interpreter)"
-                    if interpret else "at most 8 or a multiple of 8")
-        parser.error(f"argument --tokens: got {options.tokens()} with --lowering mosaic_gpu, expected {expected}")
+    refused = mosaic_kernel.refused_config(options.config, options.dtype)
+    if refused:
+        parser.error(f"argument --lowering: {refused}")
+    refused = mosaic_kernel.refused_context(options.tokens(), interpret=jax.default_backend() != "gpu")
+    if refused:
+        parser.error(f"argument --tokens with --lowering mosaic_gpu: {refused}")
 
 
 def _physical_memory() -> int | None:
