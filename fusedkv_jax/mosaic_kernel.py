@@ -164,7 +164,7 @@ class _Refs(NamedTuple):
 
 
 def _one_head_kernel(
-    refs: _Refs, *, k_tile, v_tiles, out_tiles, positions_tile, cos_sin_tile, row_terms,
+    refs: _Refs, *, k_tile, v_tiles, out_tiles, positions_tile, cos_sin_tile,
     loaded, positions_loaded, rows_loaded, run_loaded, weight_tile=None,
     head_dim: int, rotary_dim: int, tokens_per_block: int, tiled: bool, interpret: bool,
 ):
@@ -185,13 +185,13 @@ def _one_head_kernel(
     if weight_tile is not None:
         plgpu.copy_gmem_to_smem(refs.weight.at[layer], weight_tile, loaded)
     plgpu.barrier_wait(positions_loaded)
-    run = _fetch_cos_sin_rows(refs, layer, positions_tile, cos_sin_tile, row_terms, rows_loaded, run_loaded,
-                              tokens_per_block)
+    run, terms = _fetch_cos_sin_rows(refs, layer, positions_tile, cos_sin_tile, rows_loaded, run_loaded,
+                                     tokens_per_block, interpret)
 
     plgpu.barrier_wait(loaded)
     _store_v(refs, v_tiles, layer, [(tokens, head, columns) for columns in v_columns], interpret)
     normed = _normalized(_load(k_tile, plgpu.Layout.WGMMA, interpret), _load_weight(weight_tile, interpret),
-                         _load(row_terms, plgpu.Layout.WGMMA.reduce(1), interpret), head_dim)
+                         terms, head_dim)
     _wait_cos_sin_rows(run, rows_loaded, run_loaded)
     _store_k(_rotated(normed, _load(cos_sin_tile, plgpu.Layout.WGMMA, interpret), rotary_dim),
              out_tiles, refs.k_out, (layer, tokens, head))
@@ -199,7 +199,7 @@ def _one_head_kernel(
 
 
 def _heads_looped_kernel(
-    refs: _Refs, *, k_tiles, v_tiles, out_tiles, positions_tile, cos_sin_tile, row_terms,
+    refs: _Refs, *, k_tiles, v_tiles, out_tiles, positions_tile, cos_sin_tile,
     loaded, fixed_loaded, rows_loaded, run_loaded, weight_tile=None,
     head_dim: int, rotary_dim: int, tokens_per_block: int, heads: int, interpret: bool,
 ):
@@ -222,10 +222,9 @@ def _heads_looped_kernel(
         plgpu.copy_gmem_to_smem(refs.weight.at[layer], weight_tile, fixed_loaded)
     fetch_head(0, 0)
     plgpu.barrier_wait(fixed_loaded)
-    run = _fetch_cos_sin_rows(refs, layer, positions_tile, cos_sin_tile, row_terms, rows_loaded, run_loaded,
-                              tokens_per_block)
+    run, terms = _fetch_cos_sin_rows(refs, layer, positions_tile, cos_sin_tile, rows_loaded, run_loaded,
+                                     tokens_per_block, interpret)
     weight = _load_weight(weight_tile, interpret)
-    terms = _load(row_terms, plgpu.Layout.WGMMA.reduce(1), interpret)
     _wait_cos_sin_rows(run, rows_loaded, run_loaded)
     cos_sin = _load(cos_sin_tile, plgpu.Layout.WGMMA, interpret)
 
@@ -247,15 +246,15 @@ def _heads_looped_kernel(
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _fetch_cos_sin_rows(refs: _Refs, layer, positions_tile, cos_sin_tile, row_terms, rows_loaded, run_loaded,
-                        tokens_per_block: int):
-    """Copy the block's cos/sin rows of the layer's table and set each token's row term:
-    the layer's ``eps`` with a K-norm, else 1; NaN for a token without a row (its
-    position, or the layer's table, out of range), which turns its K row into NaN.
-    Returns whether the block's positions are a run (consecutive and in range): then its
+def _fetch_cos_sin_rows(refs: _Refs, layer, positions_tile, cos_sin_tile, rows_loaded, run_loaded,
+                        tokens_per_block: int, interpret: bool):
+    """Copy the block's cos/sin rows of the layer's table; returns ``(run, terms)``.
+    ``run``: whether the block's positions are a run (consecutive and in range): then its
     rows arrive as one copy on ``run_loaded``, else as one copy a token on
-    ``rows_loaded`` (wait with :func:`_wait_cos_sin_rows`). A run is the common case:
-    a sequence's context positions count up."""
+    ``rows_loaded`` (wait with :func:`_wait_cos_sin_rows`). ``terms[BLOCK_TOKENS]``, in
+    registers: each token's row term, the layer's ``eps`` with a K-norm, else 1; NaN for a
+    token without a row (its position, or the layer's table, out of range), which turns
+    its K row into NaN."""
     max_position = refs.cos_sin.shape[-2]
     table_index, table_in_range = (), True
     if refs.table is not None:
@@ -263,35 +262,33 @@ def _fetch_cos_sin_rows(refs: _Refs, layer, positions_tile, cos_sin_tile, row_te
         table_in_range = (table >= 0) & (table < refs.cos_sin.shape[0])
         table_index = (jnp.where(table_in_range, table, 0),)
     term = refs.eps[layer] if refs.eps is not None else jnp.float32(1.0)
+    row = plgpu.Layout.WGMMA.reduce(1)
+    positions = _load(positions_tile, row, interpret)
+    offsets = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_TOKENS,), 0)
+    if not interpret:
+        offsets = plgpu.layout_cast(offsets, row)
     first = positions_tile[0]
-
-    def counts_up(state):  # on to the next token while every one so far counts up from the first
-        token, _ = state
-        return token + 1, positions_tile[token] == first + token
-
-    _, run = jax.lax.while_loop(
-        lambda state: state[1] & (state[0] < tokens_per_block), counts_up,
-        (jnp.int32(1), (first >= 0) & (first <= max_position - tokens_per_block) & table_in_range))
+    counts_up = (positions == first + offsets) | (offsets >= tokens_per_block)
+    run = ((jnp.min(counts_up.astype(jnp.int32)) == 1) & (first >= 0)
+           & (first <= max_position - tokens_per_block) & table_in_range)
 
     @pl.when(run)
     def _fetch_run():
         plgpu.copy_gmem_to_smem(refs.cos_sin.at[(*table_index, pl.ds(first, tokens_per_block))],
                                 cos_sin_tile.at[pl.ds(0, tokens_per_block)], run_loaded)
 
-    @pl.loop(0, tokens_per_block)
-    def _fetch_row(token):
-        position = positions_tile[token]
-        in_range = (position >= 0) & (position < max_position) & table_in_range
-
-        @pl.when(jnp.logical_not(run))
-        def _copy():
+    @pl.when(jnp.logical_not(run))
+    def _fetch_rows():
+        @pl.loop(0, tokens_per_block)
+        def _fetch_row(token):
+            position = positions_tile[token]
+            in_range = (position >= 0) & (position < max_position) & table_in_range
             # A token without a row reads row 0 of table 0 (never outside the cache).
             plgpu.copy_gmem_to_smem(refs.cos_sin.at[(*table_index, pl.ds(jnp.where(in_range, position, 0), 1))],
                                     cos_sin_tile.at[pl.ds(token, 1)], rows_loaded)
 
-        row_terms[token] = jnp.where(in_range, term, jnp.float32(jnp.nan))
-
-    return run
+    in_range = (positions >= 0) & (positions < max_position) & table_in_range
+    return run, jnp.where(in_range, term, jnp.float32(jnp.nan))
 
 
 def _wait_cos_sin_rows(run, rows_loaded, run_loaded):
@@ -435,7 +432,6 @@ class _Kernel:
                        for width, start in zip(widths, starts)],
             positions_tile=plgpu.SMEM((BLOCK_TOKENS,), jnp.int32),
             cos_sin_tile=plgpu.SMEM((BLOCK_TOKENS, rotary_dim), jnp.float32),
-            row_terms=plgpu.SMEM((BLOCK_TOKENS,), jnp.float32),
             rows_loaded=plgpu.Barrier(num_arrivals=tokens_per_block),
             run_loaded=plgpu.Barrier(num_arrivals=1),
         )

@@ -27,8 +27,8 @@ from fusedkv_jax import mosaic_kernel
 
 
 def _copy_block(kv_ref, cos_sin_ref, positions_ref, k_out_ref, v_out_ref, *, k_tile, v_tile, positions_tile,
-                cos_sin_tile, row_terms, loaded, positions_loaded, rows_loaded, run_loaded, tokens_per_block: int,
-                cos_sin: bool):
+                cos_sin_tile, loaded, positions_loaded, rows_loaded, run_loaded, tokens_per_block: int,
+                cos_sin: bool, interpret: bool):
     """K and V of one head for one layer and ``BLOCK_TOKENS`` tokens, copied unchanged."""
     block, layer, head = (jax.lax.axis_index(name) for name in mosaic_kernel.GRID_NAMES)
     tokens = pl.ds(block * mosaic_kernel.BLOCK_TOKENS, mosaic_kernel.BLOCK_TOKENS)
@@ -40,8 +40,8 @@ def _copy_block(kv_ref, cos_sin_ref, positions_ref, k_out_ref, v_out_ref, *, k_t
         plgpu.barrier_wait(positions_loaded)
         refs = mosaic_kernel._Refs(kv=kv_ref, cos_sin=cos_sin_ref, positions=positions_ref, k_out=k_out_ref,
                                    v_out=v_out_ref)
-        run = mosaic_kernel._fetch_cos_sin_rows(refs, layer, positions_tile, cos_sin_tile, row_terms, rows_loaded,
-                                                run_loaded, tokens_per_block)
+        run, _ = mosaic_kernel._fetch_cos_sin_rows(refs, layer, positions_tile, cos_sin_tile, rows_loaded,
+                                                   run_loaded, tokens_per_block, interpret)
 
     plgpu.barrier_wait(loaded)
     plgpu.copy_smem_to_gmem(v_tile, v_out_ref.at[layer, tokens, head])
@@ -68,13 +68,12 @@ def copy(kv, cos_sin_cache, positions, k_dest, v_dest, *, num_kv_heads: int, hea
         v_tile=mosaic_kernel._tile((block, head_dim), kv.dtype, tiled=True),
         positions_tile=plgpu.SMEM((block,), jnp.int32),
         cos_sin_tile=plgpu.SMEM((block, rotary_dim), jnp.float32),
-        row_terms=plgpu.SMEM((block,), jnp.float32),
         loaded=plgpu.Barrier(num_arrivals=2),
         positions_loaded=plgpu.Barrier(num_arrivals=1),
         rows_loaded=plgpu.Barrier(num_arrivals=tokens_per_block),
         run_loaded=plgpu.Barrier(num_arrivals=1),
     )
-    body = functools.partial(_copy_block, tokens_per_block=tokens_per_block, cos_sin=cos_sin)
+    body = functools.partial(_copy_block, tokens_per_block=tokens_per_block, cos_sin=cos_sin, interpret=interpret)
 
     def kernel(*refs):
         pl.run_scoped(functools.partial(body, *refs), **scratch)
