@@ -265,9 +265,10 @@ def _fetch_cos_sin_rows(refs: _Refs, layer, positions_tile, cos_sin_tile, rows_l
     row = plgpu.Layout.WGMMA.reduce(1)
     positions = _load(positions_tile, row, interpret)
     offsets = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_TOKENS,), 0)
-    if not interpret:
+    if not interpret:  # the interpreter's arrays have no layout
         offsets = plgpu.layout_cast(offsets, row)
     first = positions_tile[0]
+    # A run where every row counts up from the first; rows past a short call's tokens do not count.
     counts_up = (positions == first + offsets) | (offsets >= tokens_per_block)
     run = ((jnp.min(counts_up.astype(jnp.int32)) == 1) & (first >= 0)
            & (first <= max_position - tokens_per_block) & table_in_range)
