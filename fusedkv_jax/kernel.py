@@ -20,16 +20,17 @@ Triton-specific here is :func:`_load`, :func:`_store` and :func:`_launch`'s
 ``compiler_params``.
 
 ``lowering="mosaic_gpu"`` runs :mod:`fusedkv_jax.mosaic_kernel` (Mosaic GPU has no
-gather on Hopper: TMA copies with scalar starts fetch one cos/sin row per token). It
-takes ``neox`` with rotary halves and tail in multiples of 8 columns, and ``total_ctx``
-at most 8 or a multiple of 8 (a multiple of 64 in interpret mode), with every option
+gather on Hopper: TMA copies with scalar starts fetch the cos/sin rows). It takes
+``neox`` with rotary halves and tail in multiples of 8 columns, and ``total_ctx`` at
+most 8 or a multiple of 8 (a multiple of 64 in interpret mode), with every option
 of the op (no K-norm, ``v_multiplier``, ``layer_rope_table``); other calls with it are
 refused. It is not the default because it is slower where it matters most: it passes
 the reference checks on the GPU, but timed in jit as a jit user runs it (``fusedkv
 bench``'s ``pallas-mosaic`` row, which checks that the compiled jit launches it once per
 call) it matches the Triton lowering only at long contexts with many heads a program,
-and loses at short ones, where its per-token cos/sin copies cost more than the Triton
-lowering's whole call (BENCHMARKS.md). It writes a caller's
+and loses at short ones, where its chain of copies (the positions, then the cos/sin rows:
+one copy for a block whose positions count up, else one a token) costs more than the
+Triton lowering's whole call (BENCHMARKS.md). It writes a caller's
 ``k_out``/``v_out`` in place through refs (under a jit that donates them), but not
 under ``jax.vmap``, which batches it only with fresh outputs. The paged-cache entry point
 on it (caches in ``kv``'s dtype) writes fresh K and V and lets XLA scatter their rows:
