@@ -1836,6 +1836,38 @@ def test_consecutive_positions_count_up_from_a_start_that_keeps_every_token_in_t
         assert total_ctx == MAX_POSITION or len(starts) == 2  # each set its own start
 
 
+@pytest.mark.parametrize("count", [1, 7, 64, 300, 5000])
+def test_sequence_positions_are_runs_of_at_most_the_longest_sequence_each_inside_the_table(count):
+    from interop.bench.shapes import MAX_POSITION
+    from interop.bench.workload import SEQUENCE_TOKENS, sequence_positions
+
+    positions = sequence_positions(np.random.default_rng(count), count)
+    assert positions.dtype == np.int32 and positions.shape == (count,)
+    assert 0 <= positions.min() and positions.max() < MAX_POSITION
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    run_lengths = np.diff(np.concatenate([[0], breaks, [count]]))
+    assert run_lengths.max() <= SEQUENCE_TOKENS
+    if count >= 4 * SEQUENCE_TOKENS:  # a batch of many sequences, of lengths spread over the whole range
+        assert len(run_lengths) >= count // SEQUENCE_TOKENS and run_lengths.min() < SEQUENCE_TOKENS // 2
+    np.testing.assert_array_equal(positions, sequence_positions(np.random.default_rng(count), count))
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_a_workload_of_sequences_gives_each_set_its_own_batch_in_the_framework(framework):
+    pytest.importorskip(framework)
+    from interop.bench.workload import Workload
+
+    device = dict(torch_device="cuda" if ON_GPU else "cpu") if framework == "torch" else {}
+    workload = Workload(TINY, 2000, "bfloat16", framework=framework, set_count=2, positions="sequences", **device)
+    sets = []
+    for index in range(2):
+        positions = workload.op_args(index, framework)[4]
+        positions = positions.cpu().numpy() if framework == "torch" else np.asarray(positions)
+        assert positions.dtype == np.int32 and (np.diff(positions) != 1).any()
+        sets.append(positions)
+    assert not np.array_equal(*sets)
+
+
 def test_a_workload_refuses_positions_it_does_not_draw():
     pytest.importorskip("jax")
     from interop.bench.workload import Workload

@@ -35,7 +35,7 @@ from interop.bench.shapes import (
     SHAPES,
     BenchShape,
 )
-from interop.bench.workload import POSITIONS
+from interop.bench.workload import POSITIONS, SEQUENCE_TOKENS
 
 DESCRIPTION = """\
 Time every implementation of the fused KV op on this GPU, in one process: the Triton
@@ -148,8 +148,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="with --shape grid: only the configurations of this half (the tile rules' fit half, "
                              "or the half held out from it)")
     parser.add_argument("--positions", choices=POSITIONS, default="uniform",
-                        help="the tokens' positions: uniform random (default), or consecutive from a random "
-                             "start, as a sequence's context is")
+                        help="the tokens' positions: uniform random (default), consecutive from a random "
+                             "start, as a sequence's context is, or sequences: a batch of sequences of 1 to "
+                             f"{SEQUENCE_TOKENS} tokens, each consecutive from its own start")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                         help="dtype of kv and outputs (default: bfloat16)")
     parser.add_argument("--only", type=_word_list, default=None,

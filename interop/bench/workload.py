@@ -5,8 +5,9 @@ jax) and handed to the other through DLPack without a copy, so every implementat
 reads the very same bytes: ``kv`` gaussian (twice a standard normal, as
 :func:`interop.testing.random_inputs` draws it), positions uniform below
 :data:`~interop.bench.shapes.MAX_POSITION` (or, with ``positions="consecutive"``, a
-sequence's context: counting up from a random start), and the small per-layer arrays
-from ``random_inputs`` itself.
+sequence's context: counting up from a random start; with ``positions="sequences"``, a
+batch of several sequences' contexts, :func:`sequence_positions`), and the small
+per-layer arrays from ``random_inputs`` itself.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from interop.core.reference import rope_cos_sin_cache
 from interop.exchange import to_framework
 from interop.testing import random_inputs
 
-POSITIONS = ("uniform", "consecutive")  # how a workload draws its tokens' positions
+POSITIONS = ("uniform", "consecutive", "sequences")  # how a workload draws its tokens' positions
+SEQUENCE_TOKENS = 256  # the longest sequence of positions="sequences"
 
 # The H200's L2 (60 MiB), used only where torch cannot read the device's.
 FALLBACK_L2_BYTES = 60 * 2**20
@@ -108,6 +110,21 @@ class _JaxRandom:
         return to_framework(host_array, "jax")
 
 
+def sequence_positions(rng: np.random.Generator, count: int) -> np.ndarray:
+    """``int32[count]`` positions of a batch of sequences, one after another: each of 1 to
+    :data:`SEQUENCE_TOKENS` tokens (uniform), counting up from its own random start with
+    every token below :data:`~interop.bench.shapes.MAX_POSITION` (the last one cut at
+    ``count``). A block of a kernel's tokens then holds a run or the end of one sequence
+    and the start of the next, as in a serving batch."""
+    lengths = rng.integers(1, SEQUENCE_TOKENS + 1, count)  # count sequences are always enough
+    ends = np.cumsum(lengths)
+    sequences = int(np.searchsorted(ends, count)) + 1
+    lengths, firsts = lengths[:sequences], ends[:sequences] - lengths[:sequences]
+    starts = rng.integers(0, MAX_POSITION - lengths + 1)
+    sequence = np.repeat(np.arange(sequences), lengths)[:count]
+    return (starts[sequence] + np.arange(count) - firsts[sequence]).astype(np.int32)
+
+
 def _host_options(shape: BenchShape, host, seed: int) -> dict:
     """``v_multiplier: fp32[n_layers]`` drawn in [0.5, 2); ``cos_sin_tables: fp32[2, max_pos,
     rotary_dim]``, the shared table then one of another RoPE base, and ``layer_rope_table:
@@ -144,7 +161,9 @@ class Workload:
         if positions not in POSITIONS:
             raise ValueError(f"Invalid positions for the bench's workload: got {positions!r}, expected one of "
                              f"{POSITIONS}.")
-        draw = self._random.consecutive_positions if positions == "consecutive" else self._random.positions
+        host_rng = np.random.default_rng(seed)
+        draw = {"uniform": self._random.positions, "consecutive": self._random.consecutive_positions,
+                "sequences": lambda count: self._random.put(sequence_positions(host_rng, count))}[positions]
         self._positions = [draw(total_ctx) for _ in range(self.set_count)]
         self._hidden: list = []
         self._slots: list = []
