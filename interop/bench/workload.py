@@ -6,8 +6,9 @@ reads the very same bytes: ``kv`` gaussian (twice a standard normal, as
 :func:`interop.testing.random_inputs` draws it), positions uniform below
 :data:`~interop.bench.shapes.MAX_POSITION` (or, with ``positions="consecutive"``, a
 sequence's context: counting up from a random start; with ``positions="sequences"``, a
-batch of several sequences' contexts, :func:`sequence_positions`), and the small
-per-layer arrays from ``random_inputs`` itself.
+batch of several sequences' contexts, :func:`sequence_positions`, drawn on the host
+from the seed and then put on the device), and the small per-layer arrays from
+``random_inputs`` itself.
 """
 
 from __future__ import annotations
