@@ -18,17 +18,22 @@ and makes its row's term NaN, which turns the whole K row into NaN). V goes from
 memory straight back out (scaled in its tile first, with a ``v_multiplier``); K is computed in registers in the
 WGMMA layout (64 rows, one row per token, so the RMS is a row reduction), its
 ``neox`` halves and unrotated tail are static column slices of the registers, and
-each part is copied out from its own shared-memory tile. With ``total_ctx`` a multiple
+each part is copied out from its own shared-memory tile. ``gptj``'s interleaved pairs
+are no column slice of that layout, but each pair of 16-bit elements is one 32-bit
+word: the kernel moves ``kv`` and the outputs as words (free views of the same bytes)
+and splits each word into the pair's two members in registers, after which the
+rotation is ``neox``'s on the words' columns (:func:`_to_fp32`, :func:`_from_fp32`). With ``total_ctx`` a multiple
 of 8 the tiles are swizzled and every copy is a tiled TMA copy, which fills the rows
 past ``total_ctx`` of the last block with zeros on the way in and clips them on the way
 out; otherwise the tiles are plain (their register loads and stores have bank
 conflicts) and V moves in two column halves (see :func:`_one_head_kernel`).
 
-What it serves: ``neox`` with ``rotary_dim / 2`` and ``head_dim - rotary_dim`` each a
-multiple of 8 and a multiple of 32 bytes (the narrowest swizzle), ``kv`` in bf16/fp16, ``head_dim`` up to
-256 (a TMA box side) and shared memory permitting (:func:`supports`); ``total_ctx`` at
-most 8 or a multiple of 8 (:func:`supports_context`). The rest (``gptj``, whose
-interleaved pairs are no column slice of the WGMMA layout) is the Triton lowering's.
+What it serves: ``kv`` in bf16/fp16, ``head_dim`` up to 256 (a TMA box side) and
+shared memory permitting, with every run of columns it copies a multiple of 8 columns
+and of 32 bytes (the narrowest swizzle): ``neox``'s ``rotary_dim / 2`` and ``head_dim -
+rotary_dim``, ``gptj``'s rotary words and tail words (:func:`supports`);
+``total_ctx`` at most 8 or a multiple of 8 (:func:`supports_context`). The rest (fp32
+``kv``, narrower runs) is the Triton lowering's.
 
 jax versions (as of jax 0.11.2): ``pl.pallas_call`` no longer
 lowers to Mosaic GPU there (its lowering rule is gone: a bare ``AssertionError``), so
@@ -67,6 +72,8 @@ _SHARED_BYTES = 200 * 1024  # of Hopper's 227 KiB per block, with room for the r
 # fp32 kv ends in CUDA_ERROR_MISALIGNED_ADDRESS on Hopper (jax 0.11.2), so it stays on
 # the Triton lowering.
 _KV_DTYPES = (jnp.bfloat16, jnp.float16)
+# gptj rows move as words of two 16-bit elements, each word one rotary pair.
+_WORD = jnp.dtype(jnp.uint32)
 GRID_NAMES = ("block", "layer", "head")  # "head": a group of heads where a program loops over them
 # Programs of several heads loop over them only where they still give each multiprocessor this many.
 _PROGRAMS_PER_MULTIPROCESSOR = 2
@@ -76,12 +83,21 @@ KERNEL_NAME = "fused_kv_norm_rope_mosaic"
 def supports(config: FusedKVConfig, kv_dtype) -> bool:
     """Whether this kernel computes ``config`` for ``kv`` of ``kv_dtype``."""
     dtype = jnp.dtype(kv_dtype)
-    if config.rope_style != "neox" or dtype not in [jnp.dtype(d) for d in _KV_DTYPES]:
+    if dtype not in [jnp.dtype(d) for d in _KV_DTYPES]:
         return False
-    half, tail = config.rotary_dim // 2, config.head_dim - config.rotary_dim
+    itemsize = _WORD.itemsize if config.rope_style == "gptj" else dtype.itemsize
     return (config.head_dim <= _MAX_BOX and _fits_shared_memory(config, dtype, kv_tiles=2)
-            and all(width % 8 == 0 and width * dtype.itemsize % 32 == 0
-                    for width in (half, tail, config.head_dim // 2) if width))
+            and all(width % 8 == 0 and width * itemsize % 32 == 0 for width in _column_runs(config) if width))
+
+
+def _column_runs(config: FusedKVConfig) -> tuple:
+    """The widths of the column runs a program copies, in the tiles' columns (elements;
+    words of two for ``gptj``): K's parts out (``neox``: the two rotary halves and the
+    tail; ``gptj``: the rotary pairs and the tail's), then half a row (V's untiled halves)."""
+    dim, rotary_dim = config.head_dim, config.rotary_dim
+    if config.rope_style == "gptj":
+        return rotary_dim // 2, (dim - rotary_dim) // 2, dim // 4
+    return rotary_dim // 2, rotary_dim // 2, dim - rotary_dim, dim // 2
 
 
 def supports_context(total_ctx: int, *, interpret: bool) -> bool:
@@ -98,8 +114,8 @@ def refused_config(config: FusedKVConfig, kv_dtype) -> str | None:
         return None
     return (f"got 'mosaic_gpu' for rope_style={config.rope_style!r}, head_dim={config.head_dim}, "
             f"rotary_dim={config.rotary_dim}, dtype={jnp.dtype(kv_dtype).name}, expected 'triton' (Mosaic GPU "
-            "takes bf16/fp16 neox with rotary halves and tail in multiples of 8 columns and 32 bytes, "
-            "head_dim <= 256)")
+            "takes bf16/fp16 with head_dim <= 256 whose neox rotary halves and tail, or gptj rotary pairs and "
+            "tail pairs as 32-bit words, are multiples of 8 columns and 32 bytes)")
 
 
 def refused_context(total_ctx: int, *, interpret: bool) -> str | None:
@@ -145,7 +161,9 @@ def _tile(shape, dtype, *, tiled: bool, start: int = 0):
 
 
 class _Refs(NamedTuple):
-    """The kernel's arrays in global memory. ``kv[total_ctx, n_layers, 2, heads, head_dim]``,
+    """The kernel's arrays in global memory, rows as elements (``neox``) or as words of two
+    (``gptj``: ``uint32[..., head_dim / 2]``, and the weight's even dims before its odd
+    ones). ``kv[total_ctx, n_layers, 2, heads, head_dim]``,
     ``cos_sin[max_pos, rotary_dim]`` fp32 (``[n_tables, max_pos, rotary_dim]`` with ``table``;
     a bf16 or fp16 table is converted before the launch), ``positions[total_ctx]`` int32,
     ``k_out, v_out[n_layers, total_ctx, heads, head_dim]``; the options, None where not
@@ -166,7 +184,7 @@ class _Refs(NamedTuple):
 def _one_head_kernel(
     refs: _Refs, *, k_tile, v_tiles, out_tiles, positions_tile, cos_sin_tile,
     loaded, positions_loaded, rows_loaded, run_loaded, weight_tile=None,
-    head_dim: int, rotary_dim: int, tokens_per_block: int, tiled: bool, interpret: bool,
+    head_dim: int, rotary_dim: int, tokens_per_block: int, tiled: bool, kv_dtype, interpret: bool,
 ):
     """K and V of one head for one layer and ``BLOCK_TOKENS`` tokens: the grid point
     ``(block, layer, head)``; the shared-memory tiles and barriers come by name."""
@@ -174,7 +192,8 @@ def _one_head_kernel(
     # output is one contiguous run of memory, which Mosaic does as a bulk copy that
     # clips only at the end of the array (running on into the next layer) rather
     # than as a tensor copy that clips the rows past total_ctx.
-    v_columns = [slice(None)] if tiled else [pl.ds(0, head_dim // 2), pl.ds(head_dim // 2, head_dim // 2)]
+    half_row = v_tiles[0].shape[-1]
+    v_columns = [slice(None)] if tiled else [pl.ds(0, half_row), pl.ds(half_row, half_row)]
     block, layer, head = (jax.lax.axis_index(name) for name in GRID_NAMES)
     tokens = pl.ds(block * BLOCK_TOKENS, BLOCK_TOKENS)
 
@@ -189,19 +208,19 @@ def _one_head_kernel(
                                      tokens_per_block, interpret)
 
     plgpu.barrier_wait(loaded)
-    _store_v(refs, v_tiles, layer, [(tokens, head, columns) for columns in v_columns], interpret)
-    normed = _normalized(_load(k_tile, plgpu.Layout.WGMMA, interpret), _load_weight(weight_tile, interpret),
-                         terms, head_dim)
+    _store_v(refs, v_tiles, layer, [(tokens, head, columns) for columns in v_columns], kv_dtype, interpret)
+    normed = _normalized(_to_fp32(_load(k_tile, plgpu.Layout.WGMMA, interpret), kv_dtype),
+                         _load_weight(weight_tile, interpret), terms, head_dim)
     _wait_cos_sin_rows(run, rows_loaded, run_loaded)
     _store_k(_rotated(normed, _load(cos_sin_tile, plgpu.Layout.WGMMA, interpret), rotary_dim),
-             out_tiles, refs.k_out, (layer, tokens, head))
+             out_tiles, refs.k_out, (layer, tokens, head), kv_dtype)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _heads_looped_kernel(
     refs: _Refs, *, k_tiles, v_tiles, out_tiles, positions_tile, cos_sin_tile,
     loaded, fixed_loaded, rows_loaded, run_loaded, weight_tile=None,
-    head_dim: int, rotary_dim: int, tokens_per_block: int, heads: int, interpret: bool,
+    head_dim: int, rotary_dim: int, tokens_per_block: int, heads: int, kv_dtype, interpret: bool,
 ):
     """``heads`` heads of one layer for ``BLOCK_TOKENS`` tokens, from head ``group * heads``:
     the grid point ``(block, layer, group)``. The block's positions, cos/sin rows and the
@@ -239,9 +258,11 @@ def _heads_looped_kernel(
             fetch_head(head + 1, 1 - slot)
 
         plgpu.barrier_wait(loaded.at[slot])
-        _store_v(refs, [v_tiles.at[slot]], layer, [(tokens, first_head + head)], interpret)
-        normed = _normalized(_load(k_tiles.at[slot], plgpu.Layout.WGMMA, interpret), weight, terms, head_dim)
-        _store_k(_rotated(normed, cos_sin, rotary_dim), out_tiles, refs.k_out, (layer, tokens, first_head + head))
+        _store_v(refs, [v_tiles.at[slot]], layer, [(tokens, first_head + head)], kv_dtype, interpret)
+        normed = _normalized(_to_fp32(_load(k_tiles.at[slot], plgpu.Layout.WGMMA, interpret), kv_dtype), weight,
+                             terms, head_dim)
+        _store_k(_rotated(normed, cos_sin, rotary_dim), out_tiles, refs.k_out, (layer, tokens, first_head + head),
+                 kv_dtype)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -308,35 +329,72 @@ def _load_weight(weight_tile, interpret: bool):
     return None if weight_tile is None else _load(weight_tile, plgpu.Layout.WGMMA.reduce(0), interpret)
 
 
-def _normalized(k, weight, row_terms, head_dim: int):
-    """A ``[BLOCK_TOKENS, head_dim]`` K tile in fp32: each row RMS-normalized (``row_terms``:
-    its ``eps``) and weighted; without a ``weight`` (no K-norm) each row times its term (1).
-    A NaN term makes its row NaN either way."""
-    k = k.astype(jnp.float32)
+def _normalized(parts: list, weight, row_terms, head_dim: int) -> list:
+    """A ``[BLOCK_TOKENS, head_dim]`` K tile as fp32 ``parts`` (:func:`_to_fp32`), each row
+    RMS-normalized over all its parts (``row_terms``: its ``eps``) and weighted (``weight``:
+    the parts' columns side by side); without a ``weight`` (no K-norm) each row times its
+    term (1). A NaN term makes its row NaN either way."""
+    def by_row(values):
+        return jax.lax.broadcast_in_dim(values, parts[0].shape, (0,))
+
     if weight is None:
-        return k * jax.lax.broadcast_in_dim(row_terms, k.shape, (0,))
-    sum_squares = jnp.sum(k * k, axis=1)
+        return [part * by_row(row_terms) for part in parts]
+    sum_squares = jnp.sum(parts[0] * parts[0], axis=1)
+    for part in parts[1:]:
+        sum_squares = sum_squares + jnp.sum(part * part, axis=1)
     mean_square_eps = sum_squares / head_dim + row_terms
     # The edge values of interop.core.reference, as the Triton lowering decides them per head row.
     inv_rms = jnp.where(mean_square_eps < SMALLEST_NORMAL_FP32, 0.0, jax.lax.rsqrt(mean_square_eps))
-    inv_rms = jnp.where(sum_squares < jnp.inf, inv_rms, jnp.nan)
-    return k * jax.lax.broadcast_in_dim(inv_rms, k.shape, (0,)) * jax.lax.broadcast_in_dim(weight, k.shape, (1,))
+    inv_rms = by_row(jnp.where(sum_squares < jnp.inf, inv_rms, jnp.nan))
+    width = parts[0].shape[1]
+    weights = jax.lax.broadcast_in_dim(weight, (parts[0].shape[0], width * len(parts)), (1,))
+    return [part * inv_rms * weights[:, index * width:(index + 1) * width] for index, part in enumerate(parts)]
 
 
-def _rotated(normed, cos_sin, rotary_dim: int) -> list:
-    """The ``neox`` rotation of the first ``rotary_dim`` columns: the two rotated halves,
-    then the unrotated tail if any."""
+def _rotated(parts: list, cos_sin, rotary_dim: int) -> list:
+    """The rotation of the first ``rotary_dim`` dims of a normalized K tile's ``parts``,
+    as the fp32 parts of each K tile out (:func:`_store_k`). ``neox`` (one part, the row):
+    the two rotated halves, then the unrotated tail if any, each a tile. ``gptj`` (the
+    even and odd dims): the rotated pairs, then the unrotated pairs if any, each a tile of
+    words."""
     half = rotary_dim // 2
     cos, sin = cos_sin[:, :half], cos_sin[:, half:]
-    first_half, second_half = normed[:, :half], normed[:, half:rotary_dim]
-    tail = [normed[:, rotary_dim:]] if rotary_dim < normed.shape[1] else []
-    return [first_half * cos - second_half * sin, second_half * cos + first_half * sin, *tail]
+
+    def rotate(first, second):
+        return first * cos - second * sin, second * cos + first * sin
+
+    if len(parts) == 1:  # neox: the pairs' members are the row's two halves, each a tile out
+        (normed,) = parts
+        first, second = rotate(normed[:, :half], normed[:, half:rotary_dim])
+        return [[first], [second], *([[normed[:, rotary_dim:]]] if rotary_dim < normed.shape[1] else [])]
+    even, odd = parts  # gptj: the pairs' members are the even and odd dims, one tile of words out
+    tail = [[even[:, half:], odd[:, half:]]] if half < even.shape[1] else []
+    return [list(rotate(even[:, :half], odd[:, :half])), *tail]
 
 
-def _store_k(parts: list, out_tiles: list, k_out_ref, index: tuple):
+def _to_fp32(values, kv_dtype) -> list:
+    """A tile's values as fp32 parts: ``[values]``, or, for words (``gptj``), the even and
+    the odd elements of the row (each word's low and high 16 bits, of ``kv_dtype``)."""
+    if values.dtype != _WORD:
+        return [values.astype(jnp.float32)]
+    halves = ((values & 0xFFFF).astype(jnp.uint16), (values >> 16).astype(jnp.uint16))
+    return [jax.lax.bitcast_convert_type(half, kv_dtype).astype(jnp.float32) for half in halves]
+
+
+def _from_fp32(parts: list, dtype, kv_dtype):
+    """:func:`_to_fp32`'s inverse: ``parts`` rounded once to ``kv_dtype``, as values of
+    ``dtype`` (words of the two parts' elements where ``dtype`` is the word)."""
+    if dtype != _WORD:
+        (values,) = parts
+        return values.astype(dtype)
+    even, odd = (jax.lax.bitcast_convert_type(part.astype(kv_dtype), jnp.uint16).astype(_WORD) for part in parts)
+    return even | (odd << 16)
+
+
+def _store_k(parts: list, out_tiles: list, k_out_ref, index: tuple, kv_dtype):
     """Copy the K parts out through their tiles into ``k_out_ref[*index]``, side by side."""
-    for tile, part in zip(out_tiles, parts):
-        tile[...] = part.astype(tile.dtype)
+    for tile, tile_parts in zip(out_tiles, parts):
+        tile[...] = _from_fp32(tile_parts, tile.dtype, kv_dtype)
     plgpu.commit_smem()
     start = 0
     for tile in out_tiles:
@@ -344,14 +402,14 @@ def _store_k(parts: list, out_tiles: list, k_out_ref, index: tuple):
         start += tile.shape[1]
 
 
-def _store_v(refs: _Refs, v_tiles: list, layer, indices: list, interpret: bool):
+def _store_v(refs: _Refs, v_tiles: list, layer, indices: list, kv_dtype, interpret: bool):
     """Copy the V tiles out to ``v_out[layer, *index]``, each first scaled in place by the
     layer's ``v_multiplier`` (in fp32, rounded once) where there is one."""
     if refs.v_multiplier is not None:
         multiplier = refs.v_multiplier[layer]
         for tile in v_tiles:
-            tile[...] = (_load(tile, plgpu.Layout.WGMMA, interpret).astype(jnp.float32) * multiplier).astype(
-                tile.dtype)
+            scaled = [part * multiplier for part in _to_fp32(_load(tile, plgpu.Layout.WGMMA, interpret), kv_dtype)]
+            tile[...] = _from_fp32(scaled, tile.dtype, kv_dtype)
         plgpu.commit_smem()
     for tile, index in zip(v_tiles, indices):
         plgpu.copy_smem_to_gmem(tile, refs.v_out.at[(layer, *index)])
@@ -396,20 +454,38 @@ def launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=None, v_out=N
     if positions.dtype != jnp.int32:
         in_range = (positions >= 0) & (positions < max_position)
         positions = jnp.where(in_range, positions, -1).astype(jnp.int32)
+    gptj = config.rope_style == "gptj"
     operands = dict(
-        kv=kv.reshape(total_ctx, n_layers, 2, config.num_kv_heads, config.head_dim),
+        kv=_as_words(kv.reshape(total_ctx, n_layers, 2, config.num_kv_heads, config.head_dim), gptj),
         # A bf16/fp16 table's rows in shared memory end in a misaligned address on Hopper: fp32 rows.
         cos_sin=cos_sin_cache.astype(jnp.float32), positions=positions)
     if k_norm_weight is not None:
-        operands.update(weight=k_norm_weight.astype(jnp.float32), eps=eps.astype(jnp.float32))
+        weight = k_norm_weight.astype(jnp.float32)
+        if gptj:  # the even dims' weights, then the odd dims': the columns of K's two parts
+            weight = weight.reshape(n_layers, -1, 2).swapaxes(1, 2).reshape(n_layers, -1)
+        operands.update(weight=weight, eps=eps.astype(jnp.float32))
     if v_multiplier is not None:
         operands.update(v_multiplier=v_multiplier.astype(jnp.float32))
     if layer_rope_table is not None:
         operands.update(table=layer_rope_table)
     kernel = _Kernel(config, total_ctx, n_layers, kv.dtype, tuple(operands), bool(interpret))
     if k_out is None and v_out is None:
-        return kernel.fresh(*operands.values())
-    return kernel.written_into(tuple(operands.values()), k_out, v_out)
+        outputs = kernel.fresh(*operands.values())
+    else:
+        outputs = kernel.written_into(tuple(operands.values()), *(
+            None if out is None else _as_words(out, gptj) for out in (k_out, v_out)))
+    return tuple(_as_elements(out, kv.dtype, gptj) for out in outputs)
+
+
+def _as_words(array, gptj: bool):
+    """``array[..., head_dim]`` as ``uint32[..., head_dim / 2]``, a word for each pair of
+    elements (``gptj``; a view of the same bytes), or itself."""
+    return jax.lax.bitcast_convert_type(array.reshape(*array.shape[:-1], -1, 2), _WORD) if gptj else array
+
+
+def _as_elements(array, dtype, gptj: bool):
+    """:func:`_as_words`' inverse."""
+    return jax.lax.bitcast_convert_type(array, dtype).reshape(*array.shape[:-1], -1) if gptj else array
 
 
 class _Kernel:
@@ -420,16 +496,19 @@ class _Kernel:
     def __init__(self, config: FusedKVConfig, total_ctx: int, n_layers: int, dtype, inputs: tuple,
                  interpret: bool):
         dim, rotary_dim = config.head_dim, config.rotary_dim
-        half = rotary_dim // 2
-        widths = [half, half] + ([dim - rotary_dim] if rotary_dim < dim else [])
-        starts = [0, half, rotary_dim]
+        gptj = config.rope_style == "gptj"
+        # A tile's columns: elements, or words of two for gptj (its K parts out: the rotary pairs, the tail's).
+        columns, tile_dtype = (dim // 2, _WORD) if gptj else (dim, dtype)
+        runs = _column_runs(config)[:-1]
+        widths = [width for width in runs if width]
+        starts = [sum(runs[:index]) for index, width in enumerate(runs) if width]
         tokens_per_block = min(BLOCK_TOKENS, total_ctx)
         k_norm = "weight" in inputs
         # Tiled copies move whole tiles of 8 rows: a context of another length takes the
         # untiled tiles (bank conflicts in their loads and stores).
         tiled = total_ctx % 8 == 0
         shared = dict(
-            out_tiles=[_tile((BLOCK_TOKENS, width), dtype, tiled=tiled, start=start)
+            out_tiles=[_tile((BLOCK_TOKENS, width), tile_dtype, tiled=tiled, start=start)
                        for width, start in zip(widths, starts)],
             positions_tile=plgpu.SMEM((BLOCK_TOKENS,), jnp.int32),
             cos_sin_tile=plgpu.SMEM((BLOCK_TOKENS, rotary_dim), jnp.float32),
@@ -441,26 +520,26 @@ class _Kernel:
         heads = heads_per_program(config, total_ctx, n_layers, dtype)
         if heads > 1:
             self.scratch = dict(
-                shared, k_tiles=_tile((2, BLOCK_TOKENS, dim), dtype, tiled=True),
-                v_tiles=_tile((2, BLOCK_TOKENS, dim), dtype, tiled=True),
+                shared, k_tiles=_tile((2, BLOCK_TOKENS, columns), tile_dtype, tiled=True),
+                v_tiles=_tile((2, BLOCK_TOKENS, columns), tile_dtype, tiled=True),
                 loaded=plgpu.Barrier(num_arrivals=2, num_barriers=2),
                 fixed_loaded=plgpu.Barrier(num_arrivals=1 + k_norm))
             self.kernel = functools.partial(
                 _heads_looped_kernel, head_dim=dim, rotary_dim=rotary_dim, tokens_per_block=tokens_per_block,
-                heads=heads, interpret=interpret)
+                heads=heads, kv_dtype=dtype, interpret=interpret)
         else:
-            v_tiles = ([_tile((BLOCK_TOKENS, dim), dtype, tiled=True)] if tiled else
-                       [_tile((BLOCK_TOKENS, dim // 2), dtype, tiled=False)] * 2)
+            v_tiles = ([_tile((BLOCK_TOKENS, columns), tile_dtype, tiled=True)] if tiled else
+                       [_tile((BLOCK_TOKENS, columns // 2), tile_dtype, tiled=False)] * 2)
             self.scratch = dict(
-                shared, k_tile=_tile((BLOCK_TOKENS, dim), dtype, tiled=tiled), v_tiles=v_tiles,
+                shared, k_tile=_tile((BLOCK_TOKENS, columns), tile_dtype, tiled=tiled), v_tiles=v_tiles,
                 loaded=plgpu.Barrier(num_arrivals=1 + len(v_tiles) + k_norm),
                 positions_loaded=plgpu.Barrier(num_arrivals=1))
             self.kernel = functools.partial(
                 _one_head_kernel, head_dim=dim, rotary_dim=rotary_dim,
-                tokens_per_block=tokens_per_block, tiled=tiled, interpret=interpret)
+                tokens_per_block=tokens_per_block, tiled=tiled, kv_dtype=dtype, interpret=interpret)
         self.inputs = inputs
         self.grid = (pl.cdiv(total_ctx, BLOCK_TOKENS), n_layers, config.num_kv_heads // heads)
-        self.output = jax.ShapeDtypeStruct(config.output_shape(n_layers, total_ctx), dtype)
+        self.output = jax.ShapeDtypeStruct((*config.output_shape(n_layers, total_ctx)[:-1], columns), tile_dtype)
         self.interpret = _interpret_params() if interpret else None
 
     def body(self, *refs, **scratch) -> None:

@@ -514,8 +514,8 @@ def test_check_runs_the_jax_kernel_on_the_lowering_it_is_given_and_fails_where_t
 
 @pytest.mark.parametrize("argv, message", [
     (["--backends", "torch", "--lowering", "triton"], r"argument --lowering: got triton, expected the jax backend"),
-    (["--lowering", "mosaic_gpu", "--rope-style", "gptj", "--tokens", "64"],
-     r"argument --lowering: got 'mosaic_gpu' for rope_style='gptj', .* expected 'triton'"),
+    (["--lowering", "mosaic_gpu", "--rope-style", "gptj", "--rotary-dim", "8", "--tokens", "64"],
+     r"argument --lowering: got 'mosaic_gpu' for rope_style='gptj', .*rotary_dim=8, .* expected 'triton'"),
     (["--lowering", "mosaic_gpu", "--dtype", "float32", "--tokens", "64"],
      r"argument --lowering: got 'mosaic_gpu' for rope_style='neox', .*dtype=float32, expected 'triton'"),
     (["--lowering", "mosaic_gpu", "--tokens", "12"],

@@ -86,7 +86,8 @@ def test_int64_positions_and_float64_weights_with_x64_enabled():
     ("triton", FusedKVConfig(2, 16, 8, "neox"), 6),
     # Through refs its kernel aliases; its interpreter takes multiples of 64 tokens.
     ("mosaic_gpu", FusedKVConfig(2, 64, 32, "neox"), 64),
-], ids=["triton", "mosaic_gpu"])
+    ("mosaic_gpu", FusedKVConfig(2, 64, 32, "gptj"), 64),  # through views of its outputs as words
+], ids=["triton", "mosaic_gpu", "mosaic_gpu-gptj"])
 def test_inside_jit_with_donated_outputs_reuses_their_buffers(lowering, config, total_ctx):
     host = _inputs(config, n_layers=2, total_ctx=total_ctx, seed=13)
     shape = config.output_shape(2, total_ctx)
@@ -726,12 +727,15 @@ MOSAIC_CASES = [  # config, n_layers, total_ctx, kv dtype, position dtype
     (FusedKVConfig(2, 64, 64, "neox"), 2, 64, "bfloat16", "int32"),
     (FusedKVConfig(1, 96, 32, "neox"), 1, 64, "float16", "int64"),
     (FusedKVConfig(1, 64, 32, "neox"), 1, 128, "bfloat16", "int32"),
+    # gptj as words of pairs: rotated whole, with a tail of pairs, fp16.
+    (FusedKVConfig(2, 64, 64, "gptj"), 2, 64, "bfloat16", "int32"),
+    (FusedKVConfig(1, 96, 32, "gptj"), 1, 128, "float16", "int64"),
 ]
 
 
 @pytest.mark.parametrize("config, n_layers, total_ctx, dtype, position_dtype", MOSAIC_CASES,
                          ids=lambda value: str(value) if not isinstance(value, FusedKVConfig) else
-                         f"h{value.num_kv_heads}d{value.head_dim}r{value.rotary_dim}")
+                         f"h{value.num_kv_heads}d{value.head_dim}r{value.rotary_dim}{value.rope_style}")
 def test_mosaic_matches_reference(config, n_layers, total_ctx, dtype, position_dtype):
     host = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, dtype=dtype,
                    position_dtype=position_dtype, seed=30 + total_ctx)
@@ -743,13 +747,14 @@ def test_mosaic_matches_reference(config, n_layers, total_ctx, dtype, position_d
     _assert_matches_reference(k, v, host, config)
 
 
+@pytest.mark.parametrize("rope_style", ["neox", "gptj"])
 @pytest.mark.parametrize("n_layers, total_ctx, heads", [(1, 64, 1), (1, 256, 2), (3, 192, 4)])
 def test_mosaic_programs_of_one_head_a_group_of_heads_and_every_head_match_the_reference(n_layers, total_ctx, heads,
-                                                                                         monkeypatch):
+                                                                                         rope_style, monkeypatch):
     from fusedkv_jax import mosaic_kernel
 
     monkeypatch.setattr(devices, "multiprocessors", lambda: 4)
-    config = FusedKVConfig(4, 64, 32, "neox")  # four heads, a rotary tail
+    config = FusedKVConfig(4, 64, 32, rope_style)  # four heads, a rotary tail
     assert mosaic_kernel.heads_per_program(config, total_ctx, n_layers, jnp.bfloat16) == heads
     host = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, seed=39 + total_ctx)
     host = host[:4] + (np.where(np.arange(total_ctx) % 5 == 2, -1, host[4]).astype(host[4].dtype),)
@@ -757,14 +762,15 @@ def test_mosaic_programs_of_one_head_a_group_of_heads_and_every_head_match_the_r
     _assert_matches_reference(k, v, host, config)
 
 
+@pytest.mark.parametrize("rope_style", ["neox", "gptj"])
 @pytest.mark.parametrize("options", ["no K-norm", "v_multiplier", "layer_rope_table", "all three"])
 @pytest.mark.parametrize("n_layers, total_ctx, heads", [(1, 64, 1), (1, 256, 2), (3, 192, 4)])
 def test_mosaic_takes_every_option_of_the_op_in_programs_of_one_head_and_of_several(options, n_layers, total_ctx,
-                                                                                   heads, monkeypatch):
+                                                                                   heads, rope_style, monkeypatch):
     from fusedkv_jax import mosaic_kernel
 
     monkeypatch.setattr(devices, "multiprocessors", lambda: 4)
-    config = FusedKVConfig(4, 64, 32, "neox")
+    config = FusedKVConfig(4, 64, 32, rope_style)
     assert mosaic_kernel.heads_per_program(config, total_ctx, n_layers, jnp.bfloat16) == heads
     kv, weight, eps, cos_sin, positions = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, seed=60 + heads)
     positions = np.where(np.arange(total_ctx) % 7 == 4, 64, positions).astype(positions.dtype)  # out of range
@@ -914,14 +920,21 @@ BAD_LOWERINGS = [
     (dict(lowering="mosaic"),
      "Invalid lowering for fused KV materialization: got 'mosaic', expected one of "
      "('triton', 'mosaic_gpu') or None."),
-    (dict(lowering="mosaic_gpu", rope_style="gptj"),
+    (dict(lowering="mosaic_gpu", rope_style="gptj", rotary_dim=8),
      "Invalid lowering for fused KV materialization: got 'mosaic_gpu' for rope_style='gptj', "
-     "head_dim=32, rotary_dim=32, dtype=bfloat16, expected 'triton' (Mosaic GPU takes bf16/fp16 "
-     "neox with rotary halves and tail in multiples of 8 columns and 32 bytes, head_dim <= 256)."),
+     "head_dim=32, rotary_dim=8, dtype=bfloat16, expected 'triton' (Mosaic GPU takes bf16/fp16 with "
+     "head_dim <= 256 whose neox rotary halves and tail, or gptj rotary pairs and tail pairs as 32-bit words, "
+     "are multiples of 8 columns and 32 bytes)."),
+    (dict(lowering="mosaic_gpu", rotary_dim=16),
+     "Invalid lowering for fused KV materialization: got 'mosaic_gpu' for rope_style='neox', "
+     "head_dim=32, rotary_dim=16, dtype=bfloat16, expected 'triton' (Mosaic GPU takes bf16/fp16 with "
+     "head_dim <= 256 whose neox rotary halves and tail, or gptj rotary pairs and tail pairs as 32-bit words, "
+     "are multiples of 8 columns and 32 bytes)."),
     (dict(lowering="mosaic_gpu", dtype="float32"),
      "Invalid lowering for fused KV materialization: got 'mosaic_gpu' for rope_style='neox', "
-     "head_dim=32, rotary_dim=32, dtype=float32, expected 'triton' (Mosaic GPU takes bf16/fp16 "
-     "neox with rotary halves and tail in multiples of 8 columns and 32 bytes, head_dim <= 256)."),
+     "head_dim=32, rotary_dim=32, dtype=float32, expected 'triton' (Mosaic GPU takes bf16/fp16 with "
+     "head_dim <= 256 whose neox rotary halves and tail, or gptj rotary pairs and tail pairs as 32-bit words, "
+     "are multiples of 8 columns and 32 bytes)."),
     (dict(lowering="mosaic_gpu", block_tokens=4),
      "Invalid tile override for fused KV materialization: got block_tokens/block_heads/num_warps "
      "with lowering='mosaic_gpu', expected them only with the Triton lowering."),
@@ -931,7 +944,7 @@ BAD_LOWERINGS = [
 @pytest.mark.parametrize("overrides, message", BAD_LOWERINGS, ids=lambda v: v[:60] if isinstance(v, str) else "")
 def test_bad_lowering_raises_its_message(overrides, message):
     overrides = dict(overrides)
-    config = FusedKVConfig(2, 32, 32, overrides.pop("rope_style", "neox"))
+    config = FusedKVConfig(2, 32, overrides.pop("rotary_dim", 32), overrides.pop("rope_style", "neox"))
     host = _inputs(config, n_layers=2, total_ctx=64, seed=33, dtype=overrides.pop("dtype", "bfloat16"))
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         fused_kv_norm_rope(*host, **_static(config), **overrides)
@@ -951,7 +964,9 @@ def test_mosaic_interpret_mode_refuses_a_partial_block():
 @pytest.mark.parametrize("options", ["plain", "every option"])
 @pytest.mark.parametrize("config, total_ctx", [(FusedKVConfig(8, 128, 64, "neox"), 104),
                                                (FusedKVConfig(2, 256, 256, "neox"), 4096),
-                                               (FusedKVConfig(1, 96, 96, "neox"), 7)])
+                                               (FusedKVConfig(1, 96, 96, "neox"), 7),
+                                               (FusedKVConfig(8, 128, 64, "gptj"), 104),
+                                               (FusedKVConfig(1, 96, 32, "gptj"), 7)])
 def test_mosaic_lowers_for_a_gpu(config, total_ctx, options):
     # Mosaic GPU builds its IR in Python: layouts, slices and copies are checked without a
     # GPU (by jax 0.10.2 here; 0.11.2 differs, see fusedkv_jax.mosaic_kernel). The three
@@ -988,8 +1003,9 @@ def test_mosaic_cache_lowers_for_a_gpu_with_its_caches_aliased_to_its_results():
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests below compile the kernel for real")
-def test_mosaic_lowers_for_a_gpu_with_given_outputs_aliased_to_its_results():
-    config = FusedKVConfig(8, 128, 64, "neox")
+@pytest.mark.parametrize("rope_style", ["neox", "gptj"])
+def test_mosaic_lowers_for_a_gpu_with_given_outputs_aliased_to_its_results(rope_style):
+    config = FusedKVConfig(8, 128, 64, rope_style)
     output = jax.ShapeDtypeStruct(config.output_shape(5, 104), jnp.bfloat16)
     args = (jax.ShapeDtypeStruct((104, 5, 2 * config.kv_size), jnp.bfloat16),
             jax.ShapeDtypeStruct((5, config.head_dim), jnp.float32), jax.ShapeDtypeStruct((5,), jnp.float32),
@@ -1011,6 +1027,9 @@ def test_mosaic_lowers_for_a_gpu_with_given_outputs_aliased_to_its_results():
     (FusedKVConfig(8, 64, 32, "neox"), 3, 4096, "bfloat16"),  # programs of 4 of the 8 heads on 132 multiprocessors
     (FusedKVConfig(8, 192, 192, "neox"), 1, 4096, "bfloat16"),  # of one head, tiled
     (FusedKVConfig(1, 96, 96, "neox"), 2, 8, "bfloat16"),  # untiled, one block shorter than 64 tokens
+    # gptj, as words of pairs: heads looped over, a tail of pairs, fp16; of one head, untiled.
+    (FusedKVConfig(8, 128, 128, "gptj"), 5, 4096, "bfloat16"), (FusedKVConfig(4, 128, 32, "gptj"), 3, 2104, "float16"),
+    (FusedKVConfig(16, 192, 192, "gptj"), 5, 136, "bfloat16"), (FusedKVConfig(1, 64, 32, "gptj"), 2, 7, "bfloat16"),
 ])
 @pytest.mark.parametrize("positions", ["uniform, every 7th padding", "runs"])
 def test_gpu_mosaic_matches_reference(config, n_layers, total_ctx, dtype, positions):
@@ -1032,6 +1051,8 @@ def test_gpu_mosaic_matches_reference(config, n_layers, total_ctx, dtype, positi
     (DRAFT, 5, 4096),  # programs of every head
     (FusedKVConfig(8, 128, 64, "neox"), 8, 72),  # of one head, tiled
     (FusedKVConfig(1, 96, 96, "neox"), 3, 7),  # of one head, untiled: V scaled in two halves
+    (FusedKVConfig(8, 128, 64, "gptj"), 8, 72),  # words of pairs, V scaled as words
+    (FusedKVConfig(1, 64, 32, "gptj"), 3, 7),
 ])
 def test_gpu_mosaic_with_every_option_matches_reference(config, n_layers, total_ctx):
     kv, _, _, cos_sin, positions = _inputs(config, n_layers=n_layers, total_ctx=total_ctx, max_position=32768,
