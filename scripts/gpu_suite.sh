@@ -2,8 +2,8 @@
 # Everything a GPU machine must show, run from the tree with nothing installed:
 #   bash scripts/gpu_suite.sh [PART ...]      PART: tests, check, trust, bench[:TOKENS], host (default: all five)
 # tests: the pytest suite on the GPU (property tests with their CI examples);
-# check: `fusedkv check` on eight configurations, three with the gradients (--grad), two with
-#        the jax kernel on Mosaic GPU (--lowering mosaic_gpu);
+# check: `fusedkv check` on nine configurations, three with the gradients (--grad), three with
+#        the jax kernel on Mosaic GPU (--lowering mosaic_gpu, one of them gptj);
 # trust: scripts/gpu_trust.sh (many calls per entry point, memory, threads, then the
 #        property tests with the GPU's examples);
 # bench: `fusedkv bench --quick`: tables, CSV, JSON, plots and the tables as markdown;
@@ -42,7 +42,8 @@ for part in $PARTS; do
             : > "$LOGS/check.log"
             configurations=("--grad" "--rotary-dim 64" "--head-dim 256 --rotary-dim 256" "--dtype float16"
                             "--rope-style gptj" "--grad --tables 2 --no-k-norm --v-multiplier --table-dtype bfloat16"
-                            "--lowering mosaic_gpu --grad" "--lowering mosaic_gpu --tables 2 --no-k-norm --v-multiplier")
+                            "--lowering mosaic_gpu --grad" "--lowering mosaic_gpu --tables 2 --no-k-norm --v-multiplier"
+                            "--lowering mosaic_gpu --rope-style gptj --rotary-dim 64")
             for options in "${configurations[@]}"; do
                 python3 -m interop check $options 2>&1 | tee -a "$LOGS/check.log" || status=1
             done

@@ -412,9 +412,10 @@ def test_eager_cache_calls_of_one_shape_trace_the_launch_once(monkeypatch):
     assert len(traced) == 1
 
 
+@pytest.mark.parametrize("rope_style", ["neox", "gptj"])
 @pytest.mark.parametrize("options", ["plain", "no K-norm and v_multiplier"])
-def test_mosaic_cache_writes_each_row_to_its_slot_and_leaves_every_other_slot(options):
-    config = FusedKVConfig(2, 64, 32, "neox")
+def test_mosaic_cache_writes_each_row_to_its_slot_and_leaves_every_other_slot(options, rope_style):
+    config = FusedKVConfig(2, 64, 32, rope_style)
     slots = np.random.default_rng(40).permutation(300)[:128].astype(np.int32)
     slots[::5] = -1  # padding
     slots[[3, 7]] = [300, 2**31 - 1]  # past the cache: skipped, not wrapped
