@@ -19,7 +19,8 @@ elements of a tile, the fastest in a sweep of tiles on the H200), K loaded as wh
 and again at permuted columns for each element's RoPE partner (the forward's
 :class:`~fusedkv_jax.kernel._KRows`), in every form. Under a jit sharded by XLA its one
 ``pallas_call`` is not partitioned (inside ``jax.shard_map`` each device runs it on its own
-tokens). The Mosaic GPU lowering's forward has the same backward (Mosaic GPU has none).
+tokens). The Mosaic GPU lowering's forward has a Mosaic GPU backward of its own
+(:mod:`fusedkv_jax.mosaic_backward`), this one where that one's tiles do not fit.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fusedkv_jax import mosaic_kernel
+from fusedkv_jax import mosaic_backward, mosaic_kernel
 from fusedkv_jax.kernel import (
     _KRows,
     _head_rows,
@@ -193,21 +194,28 @@ def _backward(options, residuals, cotangents):
 
 _differentiable_launch.defvjp(_forward, _backward)
 
-# The backward kernel, which a second derivative refuses: autodiff of its kernel would fail inside jax.
-_first_order_backward = refusing_derivatives(
-    lambda static, *arrays: _pallas_backward(*arrays, **dict(static)),
-    ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "v_multiplier", "grad_k", "grad_v",
-     "layer_rope_table"),
-    got="a second derivative through the op (jax.grad of jax.grad, jax.hessian)",
-    expected="first-order gradients (its backward kernel has no derivative of its own: differentiate a "
-             "plain-array formulation for higher orders)")
+def _first_order(backward_kernel):
+    """``backward_kernel(*arrays, **static)`` as ``function(static, *arrays)``, which a second
+    derivative refuses: autodiff of its kernel would fail inside jax."""
+    return refusing_derivatives(
+        lambda static, *arrays: backward_kernel(*arrays, **dict(static)),
+        ("kv", "k_norm_weight", "eps", "cos_sin_cache", "positions", "v_multiplier", "grad_k", "grad_v",
+         "layer_rope_table"),
+        got="a second derivative through the op (jax.grad of jax.grad, jax.hessian)",
+        expected="first-order gradients (its backward kernel has no derivative of its own: differentiate a "
+                 "plain-array formulation for higher orders)")
+
+
+_first_order_backward = _first_order(_pallas_backward)
+_first_order_mosaic_backward = _first_order(mosaic_backward.backward)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _differentiable_mosaic_launch(options: tuple, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest,
                                   v_multiplier, layer_rope_table):
-    """:func:`fusedkv_jax.mosaic_kernel.launch`, differentiable: its backward is this module's
-    kernel (Mosaic GPU has none), on the tile the Triton lowering's forward would take."""
+    """:func:`fusedkv_jax.mosaic_kernel.launch`, differentiable: its backward is
+    :mod:`fusedkv_jax.mosaic_backward`'s kernel, or, where that one's tiles do not fit,
+    this module's on the tile the Triton lowering's forward would take."""
     options = dict(options)
     return mosaic_kernel.launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, v_multiplier,
                                 layer_rope_table, config=options["config"], interpret=options["interpret"])
@@ -220,7 +228,20 @@ def _mosaic_forward(options, kv, k_norm_weight, eps, cos_sin_cache, positions, k
     return outputs, (kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table)
 
 
-_differentiable_mosaic_launch.defvjp(_mosaic_forward, _backward)
+def _mosaic_backward(options, residuals, cotangents):
+    kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table = residuals
+    config = dict(options)["config"]
+    if not mosaic_backward.supports(config, kv.dtype, v_multiplier=v_multiplier is not None):
+        return _backward(options, residuals, cotangents)
+    grad_k, grad_v = cotangents
+    static = dict(config=config, interpret=dict(options)["interpret"])
+    grad_kv, grad_weight, grad_multiplier = _first_order_mosaic_backward(
+        tuple(static.items()), kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier,
+        grad_k.astype(kv.dtype), grad_v.astype(kv.dtype), layer_rope_table)
+    return grad_kv, grad_weight, None, None, None, None, None, grad_multiplier, None
+
+
+_differentiable_mosaic_launch.defvjp(_mosaic_forward, _mosaic_backward)
 
 # Jitted: called eagerly, a custom_vjp traces its function on every call; a jit once per shape.
 differentiable_launch = jax.jit(_differentiable_launch, static_argnums=0)

@@ -283,11 +283,8 @@ def _fetch_cos_sin_rows(refs: _Refs, layer, positions_tile, cos_sin_tile, rows_l
         table_in_range = (table >= 0) & (table < refs.cos_sin.shape[0])
         table_index = (jnp.where(table_in_range, table, 0),)
     term = refs.eps[layer] if refs.eps is not None else jnp.float32(1.0)
-    row = plgpu.Layout.WGMMA.reduce(1)
-    positions = _load(positions_tile, row, interpret)
-    offsets = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_TOKENS,), 0)
-    if not interpret:  # the interpreter's arrays have no layout
-        offsets = plgpu.layout_cast(offsets, row)
+    positions = _load(positions_tile, plgpu.Layout.WGMMA.reduce(1), interpret)
+    offsets = row_offsets(interpret)
     first = positions_tile[0]
     # A run where every row counts up from the first; rows past a short call's tokens do not count.
     counts_up = (positions == first + offsets) | (offsets >= tokens_per_block)
@@ -311,6 +308,14 @@ def _fetch_cos_sin_rows(refs: _Refs, layer, positions_tile, cos_sin_tile, rows_l
 
     in_range = (positions >= 0) & (positions < max_position) & table_in_range
     return run, jnp.where(in_range, term, jnp.float32(jnp.nan))
+
+
+def row_offsets(interpret: bool):
+    """``int32[BLOCK_TOKENS]``: each row's offset in its block, in the WGMMA row layout."""
+    offsets = jax.lax.broadcasted_iota(jnp.int32, (BLOCK_TOKENS,), 0)
+    if interpret:  # the interpreter's arrays have no layout
+        return offsets
+    return plgpu.layout_cast(offsets, plgpu.Layout.WGMMA.reduce(1))
 
 
 def _wait_cos_sin_rows(run, rows_loaded, run_loaded):
@@ -353,23 +358,33 @@ def _normalized(parts: list, weight, row_terms, head_dim: int) -> list:
 
 def _rotated(parts: list, cos_sin, rotary_dim: int) -> list:
     """The rotation of the first ``rotary_dim`` dims of a normalized K tile's ``parts``,
-    as the fp32 parts of each K tile out (:func:`_store_k`). ``neox`` (one part, the row):
-    the two rotated halves, then the unrotated tail if any, each a tile. ``gptj`` (the
-    even and odd dims): the rotated pairs, then the unrotated pairs if any, each a tile of
-    words."""
+    as the fp32 parts of each K tile out (:func:`_tiles_out`)."""
     half = rotary_dim // 2
     cos, sin = cos_sin[:, :half], cos_sin[:, half:]
+    first, second, tails = _pieces(parts, rotary_dim)
+    return _tiles_out(first * cos - second * sin, second * cos + first * sin, tails, words=len(parts) == 2)
 
-    def rotate(first, second):
-        return first * cos - second * sin, second * cos + first * sin
 
-    if len(parts) == 1:  # neox: the pairs' members are the row's two halves, each a tile out
-        (normed,) = parts
-        first, second = rotate(normed[:, :half], normed[:, half:rotary_dim])
-        return [[first], [second], *([[normed[:, rotary_dim:]]] if rotary_dim < normed.shape[1] else [])]
-    even, odd = parts  # gptj: the pairs' members are the even and odd dims, one tile of words out
-    tail = [[even[:, half:], odd[:, half:]]] if half < even.shape[1] else []
-    return [list(rotate(even[:, :half], odd[:, :half])), *tail]
+def _pieces(parts: list, rotary_dim: int) -> tuple:
+    """``(first, second, tails)`` of a K tile's fp32 ``parts`` (:func:`_to_fp32`): the two
+    members of every rotary pair, and the dims past them. ``neox`` (one part, the row): the
+    rotary halves and the tail; ``gptj`` (the even and the odd dims): the pairs' even and odd
+    members, and the even and the odd dims past them."""
+    half = rotary_dim // 2
+    if len(parts) == 1:
+        (row,) = parts
+        return row[:, :half], row[:, half:rotary_dim], [row[:, rotary_dim:]] if rotary_dim < row.shape[1] else []
+    even, odd = parts
+    return even[:, :half], odd[:, :half], [even[:, half:], odd[:, half:]] if half < even.shape[1] else []
+
+
+def _tiles_out(first, second, tails: list, *, words: bool) -> list:
+    """:func:`_pieces`' inverse as the fp32 parts of each K tile out (:func:`_store_k`):
+    ``neox`` the two halves, then the tail, each a tile; ``gptj`` (``words``) the pairs,
+    then the pairs past the rotary dims, each a tile of words."""
+    if words:
+        return [[first, second], *([tails] if tails else [])]
+    return [[first], [second], *[[tail] for tail in tails]]
 
 
 def _to_fp32(values, kv_dtype) -> list:
@@ -450,6 +465,27 @@ def launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=None, v_out=N
     ``interpret``: run under Mosaic GPU's interpret mode (CPU).
     """
     total_ctx, n_layers, _ = kv.shape
+    gptj = config.rope_style == "gptj"
+    operands = kernel_operands(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table,
+                               config=config)
+    kernel = _Kernel(config, total_ctx, n_layers, kv.dtype, tuple(operands), bool(interpret))
+    if k_out is None and v_out is None:
+        outputs = kernel.fresh(*operands.values())
+    else:
+        outputs = kernel.written_into(tuple(operands.values()), *(
+            None if out is None else _as_words(out, gptj) for out in (k_out, v_out)))
+    return tuple(_as_elements(out, kv.dtype, gptj) for out in outputs)
+
+
+def kernel_operands(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table, *,
+                    config: FusedKVConfig) -> dict:
+    """The arrays a kernel of this module reads, by :class:`_Refs`' names, those of options
+    not taken left out:
+    ``kv`` as ``[total_ctx, n_layers, 2, heads, head_dim]`` (words for ``gptj``), the
+    tables, weight, eps and multiplier in fp32 (the weight's even dims first for
+    ``gptj``), int32 positions (an int64 one narrowed with out-of-range values kept out of
+    range)."""
+    total_ctx, n_layers, _ = kv.shape
     max_position = cos_sin_cache.shape[-2]
     if positions.dtype != jnp.int32:
         in_range = (positions >= 0) & (positions < max_position)
@@ -468,13 +504,7 @@ def launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=None, v_out=N
         operands.update(v_multiplier=v_multiplier.astype(jnp.float32))
     if layer_rope_table is not None:
         operands.update(table=layer_rope_table)
-    kernel = _Kernel(config, total_ctx, n_layers, kv.dtype, tuple(operands), bool(interpret))
-    if k_out is None and v_out is None:
-        outputs = kernel.fresh(*operands.values())
-    else:
-        outputs = kernel.written_into(tuple(operands.values()), *(
-            None if out is None else _as_words(out, gptj) for out in (k_out, v_out)))
-    return tuple(_as_elements(out, kv.dtype, gptj) for out in outputs)
+    return operands
 
 
 def _as_words(array, gptj: bool):

@@ -13,11 +13,15 @@ from jax.test_util import check_grads  # noqa: E402
 
 import fusedkv_jax  # noqa: E402
 from interop.core.materializer import LayerKV, RopeConfig  # noqa: E402
+from interop.core.reference import rope_cos_sin_cache  # noqa: E402
 from interop.core.reference_backward import fused_kv_norm_rope_backward_reference  # noqa: E402
 from interop.core.spec import FusedKVConfig  # noqa: E402
 from interop.testing import assert_bit_exact, random_inputs  # noqa: E402
 from backward_cases import (LAYER_ROPE_TABLES, MAX_POSITION, assert_grad_close, edge_case,  # noqa: E402
                             with_per_layer_tables)
+
+
+ON_GPU = jax.default_backend() == "gpu"
 
 
 def _inputs(config, *, dtype="float32", n_layers=2, total_ctx=3, seed=0):
@@ -216,35 +220,112 @@ def test_a_training_step_lowers_to_the_forward_and_backward_triton_calls_without
     assert len([target for target in re.findall(r"custom_call @([\w$.]+)", text) if "triton" in target]) == 2
 
 
-@pytest.mark.parametrize("options", ["plain", "v_multiplier and tables"])
-def test_jax_gradients_after_the_mosaic_lowerings_forward_are_the_triton_lowerings(options):
-    # Mosaic GPU has no backward kernel: the Triton lowering's runs after either forward.
-    config = FusedKVConfig(1, 32, 32, "neox")
-    (kv, weight, eps, cache, positions), grads, multiplier = _inputs(config, dtype="bfloat16", n_layers=2,
-                                                                     total_ctx=64, seed=14)
+# The Mosaic GPU lowering's backward kernel: in its interpreter on the CPU (multiples of 64
+# tokens), compiled on a GPU.
+
+MOSAIC_FORMS = [  # config, normed, multiplied, tables
+    (FusedKVConfig(1, 32, 32, "neox"), True, False, False),
+    (FusedKVConfig(2, 64, 32, "neox"), True, True, True),  # a tail, the options
+    (FusedKVConfig(2, 64, 32, "gptj"), True, True, False),  # words of pairs, a tail of pairs
+    (FusedKVConfig(1, 64, 64, "gptj"), False, True, True),
+]
+
+
+def _mosaic_grads(config, arrays, grads, multiplier, *, normed, tables, edge=None):
+    """The Mosaic GPU lowering's gradients and the reference's, ``tables``: layer 0 by a
+    second table, layer 1 by the first; ``edge``: kind of edge value (CONTRACT.md,
+    Gradients) in some rows."""
+    kv, weight, eps, cache, positions = arrays
+    positions = np.where(np.arange(len(positions)) % 9 == 4, -1, positions).astype(positions.dtype)
+    kv, eps = kv.copy(), eps.copy()
+    if edge == "head without a scale":
+        kv[5, 1, :config.head_dim], eps[1] = np.float32(1e-30), 0.0
+    elif edge in ("nan head", "inf head"):
+        kv[6, 0, 3] = {"nan head": np.nan, "inf head": np.inf}[edge]
     given = {}
-    if options != "plain":
-        cache = np.stack([cache, cache[::-1].copy()])
+    if tables:
+        cache = np.stack([cache, rope_cos_sin_cache(len(cache), config.rotary_dim, base=1e6)])
         given = dict(layer_rope_table=np.array([1, 0], np.int32))
+    weight = weight if normed else None
 
-    def gradients(lowering):
-        def op(kv, weight, multiplier):
-            return fusedkv_jax.fused_kv_norm_rope(kv, weight, eps, cache, positions, **_static(config), **given,
-                                                  v_multiplier=multiplier, lowering=lowering)
-        _, vjp = jax.vjp(op, jnp.asarray(kv), jnp.asarray(weight), None if options == "plain" else multiplier)
-        return vjp(tuple(jnp.asarray(g) for g in grads))
+    def op(kv, weight, multiplier):
+        return fusedkv_jax.fused_kv_norm_rope(kv, weight, None if weight is None else eps, cache, positions,
+                                              **_static(config), **given, v_multiplier=multiplier,
+                                              lowering="mosaic_gpu")
 
-    mosaic, triton = gradients("mosaic_gpu"), gradients("triton")
-    expected = fused_kv_norm_rope_backward_reference(
-        kv, weight, eps, cache, positions, *grads, **_static(config), **given,
-        v_multiplier=None if options == "plain" else multiplier)
-    for name, got, same, want in zip(("grad_kv", "grad_k_norm_weight", "grad_v_multiplier"), mosaic, triton,
-                                     expected):
-        if want is None:
-            assert got is None and same is None, name
+    _, vjp = jax.vjp(op, jnp.asarray(kv), None if weight is None else jnp.asarray(weight),
+                     None if multiplier is None else jnp.asarray(multiplier))
+    got = vjp(tuple(jnp.asarray(g) for g in grads))
+    expected = fused_kv_norm_rope_backward_reference(kv, weight, eps if normed else None, cache, positions, *grads,
+                                                     **_static(config), **given, v_multiplier=multiplier)
+    return got, expected
+
+
+def _assert_mosaic_grads(got, expected, grad_v, config, dtype, multiplied):
+    for name, got_grad, expected_grad in zip(("grad_kv", "grad_k_norm_weight", "grad_v_multiplier"), got, expected):
+        if expected_grad is None:
+            assert got_grad is None, name
             continue
-        assert_bit_exact(got, same, name=name)
-        assert_grad_close(got, want, "bfloat16", name)
+        assert_grad_close(got_grad, expected_grad, dtype, name)
+    if not multiplied:  # V's gradient is the incoming one, bit for bit
+        total_ctx, n_layers = got[0].shape[:2]
+        v_grad = np.asarray(got[0])[:, :, config.kv_size:].reshape(total_ctx, n_layers, -1, config.head_dim)
+        assert_bit_exact(v_grad.transpose(1, 0, 2, 3), grad_v)
+
+
+@pytest.mark.parametrize("config, normed, multiplied, tables", MOSAIC_FORMS, ids=str)
+def test_jax_gradients_on_the_mosaic_lowering_match_the_reference_backward(config, normed, multiplied, tables):
+    arrays, grads, multiplier = _inputs(config, dtype="bfloat16", n_layers=2, total_ctx=64, seed=14)
+    multiplier = multiplier if multiplied else None
+    got, expected = _mosaic_grads(config, arrays, grads, multiplier, normed=normed, tables=tables)
+    _assert_mosaic_grads(got, expected, grads[1], config, "bfloat16", multiplied)
+
+
+@pytest.mark.parametrize("rope_style", ["neox", "gptj"])
+@pytest.mark.parametrize("edge", ["head without a scale", "nan head", "inf head"])
+def test_jax_gradients_on_the_mosaic_lowering_take_the_references_edge_values(edge, rope_style):
+    config = FusedKVConfig(2, 64, 32, rope_style)
+    arrays, grads, multiplier = _inputs(config, dtype="float16", n_layers=2, total_ctx=128, seed=21)
+    got, expected = _mosaic_grads(config, arrays, grads, multiplier, normed=True, tables=False, edge=edge)
+    _assert_mosaic_grads(got, expected, grads[1], config, "float16", True)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU tests below compile the kernel for real")
+@pytest.mark.parametrize("config, multiplied, kernel", [
+    (FusedKVConfig(8, 128, 64, "neox"), True, "mosaic_gpu"),
+    (FusedKVConfig(2, 128, 128, "gptj"), False, "mosaic_gpu"),
+    # Two K, V and gradient tiles and 256 dims of cos/sin rows leave no room: the Triton lowering's kernel.
+    (FusedKVConfig(2, 256, 256, "neox"), True, "triton"),
+], ids=str)
+def test_the_mosaic_lowerings_gradients_lower_to_its_own_backward_kernel_where_its_tiles_fit(config, multiplied,
+                                                                                              kernel):
+    (kv, weight, eps, cache, positions), _, multiplier = _inputs(config, dtype="bfloat16", n_layers=3,
+                                                                 total_ctx=104, seed=16)
+
+    def loss(kv, weight, multiplier):
+        k, v = fusedkv_jax.fused_kv_norm_rope(kv, weight, eps, cache, positions, **_static(config),
+                                              v_multiplier=multiplier, interpret=False, lowering="mosaic_gpu")
+        return jnp.sum(k * k) + jnp.sum(v * v)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    text = step.trace(kv, weight, multiplier if multiplied else None).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("fused_kv_norm_rope_mosaic_backward" in text) == (kernel == "mosaic_gpu")
+    assert any("triton" in target for target in re.findall(r"custom_call @([\w$.]+)", text)) == (kernel == "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU (jax.default_backend() == 'gpu')")
+@pytest.mark.parametrize("config, n_layers, total_ctx", [
+    (FusedKVConfig(8, 128, 128, "neox"), 5, 4096), (FusedKVConfig(4, 128, 64, "neox"), 3, 2104),
+    (FusedKVConfig(8, 128, 64, "gptj"), 2, 72), (FusedKVConfig(1, 96, 32, "gptj"), 3, 7),
+    (FusedKVConfig(1, 96, 96, "neox"), 2, 8), (FusedKVConfig(2, 256, 256, "gptj"), 2, 136),
+], ids=str)
+@pytest.mark.parametrize("multiplied", [False, True])
+def test_gpu_mosaic_gradients_match_the_reference_backward(config, n_layers, total_ctx, multiplied):
+    arrays, grads, multiplier = _inputs(config, dtype="bfloat16", n_layers=n_layers, total_ctx=total_ctx, seed=31)
+    multiplier = multiplier if multiplied else None
+    got, expected = _mosaic_grads(config, arrays, grads, multiplier, normed=True, tables=False)
+    _assert_mosaic_grads(got, expected, grads[1], config, "bfloat16", multiplied)
 
 
 @pytest.mark.parametrize("wrt", ["kv", "k_cache"])

@@ -124,7 +124,8 @@ def _rotate_back(g, rows, config):
 def _inverse_rms(k, eps):
     """float64 ``rsqrt(mean(k*k) + eps)`` per head, ``[.., 1]``: 0 where the forward zeroes the
     head and NaN where it poisons it, both decided in fp32 as the forward decides them."""
-    with np.errstate(over="ignore", invalid="ignore", under="ignore"):
+    # A head of zeros with eps 0 divides by zero here; the edge value below replaces it.
+    with np.errstate(over="ignore", invalid="ignore", under="ignore", divide="ignore"):
         k32 = k.astype(np.float32)
         eps32 = eps.astype(np.float32)[None, :, None, None]
         mean_square32 = np.mean(k32 * k32, axis=-1, keepdims=True, dtype=np.float32)

@@ -1,0 +1,295 @@
+"""The backward pass of the Mosaic GPU lowering's forward, itself a Mosaic GPU kernel.
+
+The math is :mod:`fusedkv_jax.backward`'s (CONTRACT.md, Gradients); per token ``t``, layer
+``l`` and head ``h``, in fp32::
+
+    gn     = rope^T(g)                                  (the pair rotated back: sin negated)
+    grad_x = r * (w*gn - x*r * mean(x*r * w*gn)),  r = rsqrt(mean(x*x) + eps[l])
+    grad_w[l] += gn * x*r                              (summed over t and h)
+    grad_v = g_v (times v_multiplier[l]);  grad_v_multiplier[l] += sum(v * g_v)
+
+The plan is the forward's (:mod:`fusedkv_jax.mosaic_kernel`): one program per (block of
+64 tokens, layer, head), tiles in shared memory filled and emptied by TMA copies, the
+block's cos/sin rows fetched by the forward's own fetch, each row in the WGMMA register
+layout so that its reductions are row reductions, ``neox`` halves and ``gptj`` pairs (as
+32-bit words) the forward's pieces. Each program writes the column sums of its rows'
+weight and multiplier terms to a row of partial sums of its own, added up by jnp after
+the kernel (deterministic, unlike atomics).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from fusedkv_jax.mosaic_kernel import (
+    BLOCK_TOKENS,
+    GRID_NAMES,
+    _SHARED_BYTES,
+    _WORD,
+    _as_elements,
+    _as_words,
+    _column_runs,
+    _fetch_cos_sin_rows,
+    _from_fp32,
+    _interpret_params,
+    _load,
+    _pieces,
+    _tile,
+    _tiles_out,
+    _to_fp32,
+    _wait_cos_sin_rows,
+    kernel_operands,
+    row_offsets,
+)
+from interop.core.reference import SMALLEST_NORMAL_FP32
+from interop.core.spec import FusedKVConfig
+
+KERNEL_NAME = "fused_kv_norm_rope_mosaic_backward"
+
+
+def supports(config: FusedKVConfig, kv_dtype, *, v_multiplier: bool) -> bool:
+    """Whether this kernel takes the backward of a call the Mosaic GPU forward took: its
+    tiles (K, V's gradient and K's, V's too with a ``v_multiplier``, K's gradient out, the
+    cos/sin rows) fit shared memory; not for head_dim 256 with a v_multiplier and a rotary
+    of more than about 150 dims, whose backward the Triton lowering's kernel computes."""
+    tile_bytes = BLOCK_TOKENS * config.head_dim * jnp.dtype(kv_dtype).itemsize
+    return (4 + v_multiplier) * tile_bytes + BLOCK_TOKENS * 4 * config.rotary_dim <= _SHARED_BYTES
+
+
+class _GradRefs(NamedTuple):
+    """The backward kernel's arrays in global memory: the forward's (``kv``, ``cos_sin``,
+    ``positions``, and those of the options, None where not taken: :class:`~fusedkv_jax.
+    mosaic_kernel._Refs`), the incoming gradients ``grad_k, grad_v[n_layers, total_ctx,
+    heads, head_dim]`` in ``kv``'s dtype (words for ``gptj``), and the outputs: ``grad_kv``
+    as ``kv``, the partial sums ``weight_sums[blocks, n_layers, heads, head_dim]`` (the
+    weight's column order) and ``multiplier_sums[blocks, n_layers, heads, columns]``."""
+
+    kv: Any
+    cos_sin: Any
+    positions: Any
+    grad_k: Any
+    grad_v: Any
+    grad_kv: Any
+    weight: Any = None
+    eps: Any = None
+    v_multiplier: Any = None
+    table: Any = None
+    weight_sums: Any = None
+    multiplier_sums: Any = None
+
+
+def _backward_block(refs: _GradRefs, *, k_tile, grad_k_tile, grad_v_tile, grad_tiles, positions_tile, cos_sin_tile,
+                    loaded, positions_loaded, rows_loaded, run_loaded, v_tile=None, weight_tile=None,
+                    weight_sum_tiles=(), multiplier_sum_tile=None, head_dim: int, rotary_dim: int,
+                    tokens_per_block: int, total_ctx: int, kv_dtype, interpret: bool):
+    """The gradients of one head for one layer and ``BLOCK_TOKENS`` tokens: the grid point
+    ``(block, layer, head)``; the shared-memory tiles and barriers come by name."""
+    block, layer, head = (jax.lax.axis_index(name) for name in GRID_NAMES)
+    tokens = pl.ds(block * BLOCK_TOKENS, BLOCK_TOKENS)
+
+    plgpu.copy_gmem_to_smem(refs.positions.at[tokens], positions_tile, positions_loaded)
+    plgpu.copy_gmem_to_smem(refs.kv.at[tokens, layer, 0, head], k_tile, loaded)
+    plgpu.copy_gmem_to_smem(refs.grad_k.at[layer, tokens, head], grad_k_tile, loaded)
+    plgpu.copy_gmem_to_smem(refs.grad_v.at[layer, tokens, head], grad_v_tile, loaded)
+    if v_tile is not None:
+        plgpu.copy_gmem_to_smem(refs.kv.at[tokens, layer, 1, head], v_tile, loaded)
+    if weight_tile is not None:
+        plgpu.copy_gmem_to_smem(refs.weight.at[layer], weight_tile, loaded)
+    plgpu.barrier_wait(positions_loaded)
+    run, terms = _fetch_cos_sin_rows(refs, layer, positions_tile, cos_sin_tile, rows_loaded, run_loaded,
+                                     tokens_per_block, interpret)
+    # Rows past the context (a last block's) add nothing to the sums.
+    counted = block * BLOCK_TOKENS + row_offsets(interpret) < total_ctx
+
+    plgpu.barrier_wait(loaded)
+    _store_grad_v(refs, grad_v_tile, v_tile, multiplier_sum_tile, (block, layer, head), counted, kv_dtype,
+                  interpret)
+    x = _pieces(_to_fp32(_load(k_tile, plgpu.Layout.WGMMA, interpret), kv_dtype), rotary_dim)
+    g_parts = _to_fp32(_load(grad_k_tile, plgpu.Layout.WGMMA, interpret), kv_dtype)
+    weight = None
+    if weight_tile is not None:
+        weight = _pieces(_weight_parts(_load(weight_tile, plgpu.Layout.WGMMA.reduce(0), interpret), g_parts),
+                         rotary_dim)
+    _wait_cos_sin_rows(run, rows_loaded, run_loaded)
+    gn = _rotated_back(_pieces(g_parts, rotary_dim), _load(cos_sin_tile, plgpu.Layout.WGMMA, interpret),
+                       rotary_dim)
+    grads, weight_sums = _normalized_grads(_flat(x), _flat(gn), None if weight is None else _flat(weight), terms,
+                                           counted, head_dim)
+    first, second, *tails = grads
+    for tile, parts in zip(grad_tiles, _tiles_out(first, second, tails, words=len(g_parts) == 2)):
+        tile[...] = _from_fp32(parts, tile.dtype, kv_dtype)
+    for tile, sums in zip(weight_sum_tiles, weight_sums):
+        tile[...] = sums
+    plgpu.commit_smem()
+    start = 0
+    for tile in grad_tiles:
+        plgpu.copy_smem_to_gmem(tile, refs.grad_kv.at[tokens, layer, 0, head, pl.ds(start, tile.shape[1])])
+        start += tile.shape[1]
+    for tile, start in zip(weight_sum_tiles, _weight_columns(head_dim, rotary_dim, len(g_parts) == 2)):
+        plgpu.copy_smem_to_gmem(tile, refs.weight_sums.at[block, layer, head, pl.ds(start, tile.shape[0])])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _store_grad_v(refs: _GradRefs, grad_v_tile, v_tile, multiplier_sum_tile, index: tuple, counted, kv_dtype,
+                  interpret: bool):
+    """V's gradient out to ``grad_kv``: the incoming one as it is, or, with a
+    ``v_multiplier`` (``v_tile`` given), times the layer's multiplier (in fp32, rounded
+    once), the column sums of ``v * g_v`` over the counted rows going to
+    ``multiplier_sums``."""
+    block, layer, head = index
+    tokens = pl.ds(block * BLOCK_TOKENS, BLOCK_TOKENS)
+    if v_tile is not None:
+        g_v = _to_fp32(_load(grad_v_tile, plgpu.Layout.WGMMA, interpret), kv_dtype)
+        v = _to_fp32(_load(v_tile, plgpu.Layout.WGMMA, interpret), kv_dtype)
+        sums = _column_sums(v[0] * g_v[0], counted)
+        for v_part, g_part in zip(v[1:], g_v[1:]):
+            sums = sums + _column_sums(v_part * g_part, counted)
+        multiplier_sum_tile[...] = sums
+        multiplier = refs.v_multiplier[layer]
+        grad_v_tile[...] = _from_fp32([part * multiplier for part in g_v], grad_v_tile.dtype, kv_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(multiplier_sum_tile, refs.multiplier_sums.at[block, layer, head])
+    plgpu.copy_smem_to_gmem(grad_v_tile, refs.grad_kv.at[tokens, layer, 1, head])
+
+
+def _weight_parts(weight, parts: list) -> list:
+    """The layer's weight row (its columns in the order of K's ``parts``, side by side) at
+    the parts' shapes."""
+    rows, width = parts[0].shape
+    weights = jax.lax.broadcast_in_dim(weight, (rows, width * len(parts)), (1,))
+    return [weights[:, index * width:(index + 1) * width] for index in range(len(parts))]
+
+
+def _weight_columns(head_dim: int, rotary_dim: int, words: bool) -> list:
+    """Where each of :func:`~fusedkv_jax.mosaic_kernel._pieces`' pieces starts in the weight's
+    columns: ``neox`` the halves and the tail side by side; ``gptj`` (``words``) the even
+    dims, then the odd ones, each rotary dims first."""
+    half = rotary_dim // 2
+    if words:
+        return [0, head_dim // 2, half, head_dim // 2 + half]
+    return [0, half, rotary_dim]
+
+
+def _flat(pieces: tuple) -> list:
+    first, second, tails = pieces
+    return [first, second, *tails]
+
+
+def _rotated_back(pieces: tuple, cos_sin, rotary_dim: int) -> tuple:
+    """``rope^T``: every rotary pair rotated by minus its angle, the dims past them as they are."""
+    half = rotary_dim // 2
+    cos, sin = cos_sin[:, :half], cos_sin[:, half:]
+    first, second, tails = pieces
+    return first * cos + second * sin, second * cos - first * sin, tails
+
+
+def _normalized_grads(x: list, gn: list, weight, row_terms, counted, head_dim: int) -> tuple:
+    """``(grad_x, weight_sums)`` over a head row's pieces: ``r * (w*gn - x*r * mean(x*r *
+    w*gn))`` and the column sums of ``gn * x*r`` over the counted rows whose ``r`` is a
+    number (a head the forward poisons does not depend on the weight). Without a
+    ``weight`` (no K-norm): ``gn`` times each row's term (1, or NaN without a rotation), and
+    no sums. The edge values of ``r`` are the forward's (CONTRACT.md, Gradients)."""
+    def by_row(values, like):
+        return jax.lax.broadcast_in_dim(values, like.shape, (0,))
+
+    if weight is None:
+        return [piece * by_row(row_terms, piece) for piece in gn], []
+    sum_squares = _row_sums([piece * piece for piece in x])
+    mean_square_eps = sum_squares / head_dim + row_terms
+    inv_rms = jnp.where(mean_square_eps < SMALLEST_NORMAL_FP32, 0.0, jax.lax.rsqrt(mean_square_eps))
+    inv_rms = jnp.where(sum_squares < jnp.inf, inv_rms, jnp.nan)
+    normed = [piece * by_row(inv_rms, piece) for piece in x]
+    weighted = [g_piece * w_piece for g_piece, w_piece in zip(gn, weight)]
+    mean = _row_sums([n * w for n, w in zip(normed, weighted)]) / head_dim
+    grads = [by_row(inv_rms, n) * (w - n * by_row(mean, n)) for n, w in zip(normed, weighted)]
+    summed = counted & (inv_rms == inv_rms)
+    return grads, [_column_sums(g_piece * n, summed) for g_piece, n in zip(gn, normed)]
+
+
+def _row_sums(pieces: list):
+    total = jnp.sum(pieces[0], axis=1)
+    for piece in pieces[1:]:
+        total = total + jnp.sum(piece, axis=1)
+    return total
+
+
+def _column_sums(values, counted):
+    """``values`` summed over the rows where ``counted``: ``[columns]``."""
+    return jnp.sum(jnp.where(jax.lax.broadcast_in_dim(counted, values.shape, (0,)), values, 0.0), axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def backward(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, grad_k, grad_v, layer_rope_table=None,
+             *, config: FusedKVConfig, interpret: bool):
+    """``(grad_kv, grad_k_norm_weight, grad_v_multiplier)`` of the op at these inputs, the
+    last two None without a K-norm, a multiplier; ``grad_k``/``grad_v`` in ``kv``'s dtype,
+    ``[n_layers, total_ctx, heads, head_dim]``. The arguments as for
+    :func:`fusedkv_jax.mosaic_kernel.launch`, which must take the call."""
+    total_ctx, n_layers, _ = kv.shape
+    gptj = config.rope_style == "gptj"
+    dim, rotary_dim = config.head_dim, config.rotary_dim
+    operands = kernel_operands(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table,
+                               config=config)
+    operands.update(grad_k=_as_words(grad_k, gptj), grad_v=_as_words(grad_v, gptj))
+    columns, tile_dtype = (dim // 2, _WORD) if gptj else (dim, kv.dtype)
+    blocks = pl.cdiv(total_ctx, BLOCK_TOKENS)
+    grid = (blocks, n_layers, config.num_kv_heads)
+    tiled = total_ctx % 8 == 0
+    runs = _column_runs(config)[:-1]
+    widths = [width for width in runs if width]
+    starts = [sum(runs[:index]) for index, width in enumerate(runs) if width]
+    tokens_per_block = min(BLOCK_TOKENS, total_ctx)
+    scratch = dict(
+        k_tile=_tile((BLOCK_TOKENS, columns), tile_dtype, tiled=tiled),
+        grad_k_tile=_tile((BLOCK_TOKENS, columns), tile_dtype, tiled=tiled),
+        grad_v_tile=_tile((BLOCK_TOKENS, columns), tile_dtype, tiled=tiled),
+        grad_tiles=[_tile((BLOCK_TOKENS, width), tile_dtype, tiled=tiled, start=start)
+                    for width, start in zip(widths, starts)],
+        positions_tile=plgpu.SMEM((BLOCK_TOKENS,), jnp.int32),
+        cos_sin_tile=plgpu.SMEM((BLOCK_TOKENS, rotary_dim), jnp.float32),
+        loaded=plgpu.Barrier(num_arrivals=3 + (v_multiplier is not None) + (k_norm_weight is not None)),
+        positions_loaded=plgpu.Barrier(num_arrivals=1),
+        rows_loaded=plgpu.Barrier(num_arrivals=tokens_per_block),
+        run_loaded=plgpu.Barrier(num_arrivals=1),
+    )
+    outputs = dict(grad_kv=jax.ShapeDtypeStruct(operands["kv"].shape, tile_dtype))
+    if k_norm_weight is not None:
+        half = rotary_dim // 2
+        tail = columns - half if gptj else dim - rotary_dim  # each of gptj's two tails (even, odd dims)
+        piece_widths = [half, half] + [tail] * ((1 + gptj) if tail else 0)
+        scratch.update(weight_tile=plgpu.SMEM((dim,), jnp.float32),
+                       weight_sum_tiles=[plgpu.SMEM((width,), jnp.float32) for width in piece_widths])
+        outputs.update(weight_sums=jax.ShapeDtypeStruct((*grid, dim), jnp.float32))
+    if v_multiplier is not None:
+        scratch.update(v_tile=_tile((BLOCK_TOKENS, columns), tile_dtype, tiled=tiled),
+                       multiplier_sum_tile=plgpu.SMEM((columns,), jnp.float32))
+        outputs.update(multiplier_sums=jax.ShapeDtypeStruct((*grid, columns), jnp.float32))
+    kernel = functools.partial(_backward_block, head_dim=dim, rotary_dim=rotary_dim,
+                               tokens_per_block=tokens_per_block, total_ctx=total_ctx, kv_dtype=kv.dtype,
+                               interpret=interpret)
+    inputs, names = tuple(operands), tuple(outputs)
+
+    def body(*refs, **tiles):
+        kernel(_GradRefs(**dict(zip(inputs + names, refs))), **tiles)
+
+    results = dict(zip(names, plgpu.kernel(
+        body, out_type=list(outputs.values()), scratch_types=scratch, grid=grid, grid_names=GRID_NAMES,
+        compiler_params=plgpu.CompilerParams(), interpret=_interpret_params() if interpret else None,
+        kernel_name=KERNEL_NAME,
+    )(*operands.values())))
+    grad_kv = _as_elements(results["grad_kv"], kv.dtype, gptj).reshape(kv.shape)
+    grad_weight = grad_multiplier = None
+    if k_norm_weight is not None:
+        grad_weight = results["weight_sums"].sum(axis=(0, 2))
+        if gptj:  # back from the even dims, then the odd ones
+            grad_weight = grad_weight.reshape(n_layers, 2, -1).swapaxes(1, 2).reshape(n_layers, dim)
+        grad_weight = grad_weight.astype(k_norm_weight.dtype)
+    if v_multiplier is not None:
+        grad_multiplier = results["multiplier_sums"].sum(axis=(0, 2, 3))
+    return grad_kv, grad_weight, grad_multiplier
