@@ -206,8 +206,9 @@ def _first_order(backward_kernel):
                  "plain-array formulation for higher orders)")
 
 
-_first_order_backward = _first_order(_pallas_backward)
-_first_order_mosaic_backward = _first_order(mosaic_backward.backward)
+# The kernels looked up by name at each trace, as a call of them would be.
+_first_order_backward = _first_order(lambda *arrays, **static: _pallas_backward(*arrays, **static))
+_first_order_mosaic_backward = _first_order(lambda *arrays, **static: mosaic_backward.backward(*arrays, **static))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -1016,7 +1016,8 @@ TRAINING = ["triton-train", "torch-compile-train", "pallas-train", "jnp-jit-trai
 
 def test_the_backward_kind_holds_the_training_steps_read_against_their_frameworks_copy():
     runnable, skipped = select(["backward"], {"torch": "gpu", "jax": "gpu"})
-    assert [i.name for i in runnable] == ["triton-bwd", "pallas-bwd", *TRAINING, "torch-copy", "xla-copy"]
+    assert [i.name for i in runnable] == ["triton-bwd", "pallas-bwd", "pallas-mosaic-bwd", *TRAINING, "torch-copy",
+                                          "xla-copy"]
     assert skipped == [] and not any(BY_NAME[name].does_op for name in TRAINING)
 
 

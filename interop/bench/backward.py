@@ -1,6 +1,7 @@
 """``fusedkv bench``'s rows of the backward pass: ``triton-bwd`` (the Triton backward kernel,
-with its small reduction of the weight's partial sums) and ``pallas-bwd`` (the Pallas one),
-each on random gradients of the op's outputs.
+with its small reduction of the weight's partial sums), ``pallas-bwd`` (the Pallas one on
+its Triton lowering) and ``pallas-mosaic-bwd`` (the Mosaic GPU lowering's), each on random
+gradients of the op's outputs.
 
 Bytes moved: read ``kv``, the gradients of K and V (together ``kv``'s size), write ``kv``'s
 gradient: ``3 * kv.nbytes`` (the partial sums, a row of ``head_dim`` fp32 a program, are
@@ -10,6 +11,8 @@ gradient, a sum over every token, is the tests' to check.
 """
 
 from __future__ import annotations
+
+import functools
 
 from interop.bench.check import checked_rows, take_rows
 from interop.bench.rows import Calls, Steps
@@ -70,11 +73,13 @@ def triton_backward(workload: Workload) -> Calls:
                  lambda: backward_verdict(call(0)[0], *args[0], *grads[0], static=static, dtype=workload.dtype))
 
 
-def pallas_backward(workload: Workload) -> Steps:
-    """The Pallas backward kernel on each set, its outputs fresh arrays (one custom call a call)."""
+def pallas_backward(workload: Workload, *, lowering: str = "triton", kernel_target=PALLAS_TRITON_TARGET) -> Steps:
+    """The Pallas backward kernel of ``lowering``'s forward on each set, its outputs fresh
+    arrays (one custom call a call): on the Triton lowering on the tile jax.grad's backward
+    takes, or the Mosaic GPU one (``"mosaic_gpu"``)."""
     import jax.numpy as jnp
 
-    from fusedkv_jax import backward, kernel
+    from fusedkv_jax import backward, kernel, mosaic_backward
 
     static = workload.shape.static()
     sets = workload.sets(backward_bytes(workload))
@@ -84,15 +89,18 @@ def pallas_backward(workload: Workload) -> Steps:
     call = CallShape(workload.shape.config, workload.total_ctx, workload.shape.n_layers, int(fixed[2].shape[0]))
     options = kernel._launch_options(call, kv, None, None, None, None)
     interpret = options["interpret"]
-    # The tile jax.grad's backward takes, from the forward's.
-    block_tokens, block_heads, num_warps = backward.backward_tile(
-        options["block_tokens"], options["block_heads"], workload.shape.config.head_dim)
+    if lowering == "mosaic_gpu":
+        launch = functools.partial(mosaic_backward.backward, config=options["config"], interpret=interpret)
+    else:
+        # The tile jax.grad's backward takes, from the forward's.
+        block_tokens, block_heads, num_warps = backward.backward_tile(
+            options["block_tokens"], options["block_heads"], workload.shape.config.head_dim)
+        launch = functools.partial(backward._pallas_backward, config=options["config"], block_tokens=block_tokens,
+                                   block_heads=block_heads, num_warps=num_warps, interpret=interpret)
 
     def step(fixed, varying, outputs):
         kv, positions, grad_k, grad_v = varying
-        return backward._pallas_backward(
-            kv, fixed[0], fixed[1], fixed[2], positions, None, grad_k, grad_v, config=options["config"],
-            block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps, interpret=interpret)[:2]
+        return launch(kv, fixed[0], fixed[1], fixed[2], positions, None, grad_k, grad_v)[:2]
 
     def new_outputs():
         return jnp.zeros(kv.shape, kv.dtype), jnp.zeros(fixed[0].shape, fixed[0].dtype)
@@ -103,4 +111,4 @@ def pallas_backward(workload: Workload) -> Steps:
                                 dtype=workload.dtype)
 
     return Steps(step, fixed, varying, new_outputs, backward_bytes(workload), check, fresh_outputs=True,
-                 kernel_target=None if interpret else PALLAS_TRITON_TARGET)
+                 kernel_target=None if interpret else kernel_target)

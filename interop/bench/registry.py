@@ -6,7 +6,7 @@ Kinds:
   lowerings: ``pallas`` on Triton (the default), ``pallas-mosaic`` on Mosaic GPU; and
   ``pallas-pdl``, ``pallas`` in a jit compiled with XLA's programmatic dependent launch
   (``xla_gpu_enable_pdl``), which lets a kernel's launch overlap the end of the one before;
-* ``backward``: their backward kernels alone, ``triton-bwd`` and ``pallas-bwd``
+* ``backward``: their backward kernels alone, ``triton-bwd``, ``pallas-bwd`` and ``pallas-mosaic-bwd``
   (:mod:`interop.bench.backward`), and a training step's forward and backward of the op
   beside autodiff of the baselines' math, ``triton-train``, ``torch-compile-train``,
   ``pallas-train``, ``jnp-jit-train`` (:mod:`interop.bench.training`), read against their
@@ -181,6 +181,17 @@ def _mosaic_interpreted(workload: Workload) -> bool:
         raise NotApplicable(f"Mosaic GPU's interpreter takes multiples of {mosaic_kernel.BLOCK_TOKENS} tokens"
                             if interpret else "Mosaic GPU takes at most 8 tokens or a multiple of 8")
     return interpret
+
+
+def _pallas_mosaic_backward(workload: Workload) -> Steps:
+    """The Mosaic GPU lowering's backward kernel, where it takes the call."""
+    from fusedkv_jax import mosaic_backward
+
+    interpret = _mosaic_interpreted(workload)
+    if not mosaic_backward.supports(workload.shape.config, workload.dtype, v_multiplier=False):
+        raise NotApplicable("the Mosaic GPU backward's tiles do not fit shared memory")
+    return backward.pallas_backward(workload, lowering="mosaic_gpu",
+                                    kernel_target=None if interpret else MOSAIC_GPU_TARGET)
 
 
 def _pallas_mosaic(workload: Workload) -> Steps:
@@ -374,6 +385,7 @@ IMPLEMENTATIONS = (
     Implementation("pallas-pdl", "jax", "kernel", _pallas_pdl),
     Implementation("triton-bwd", "torch", "backward", backward.triton_backward, does_op=False),
     Implementation("pallas-bwd", "jax", "backward", backward.pallas_backward, does_op=False),
+    Implementation("pallas-mosaic-bwd", "jax", "backward", _pallas_mosaic_backward, does_op=False),
     Implementation("triton-train", "torch", "backward", _triton_train, does_op=False),
     Implementation("torch-compile-train", "torch", "backward", _torch_compile_train, does_op=False),
     Implementation("pallas-train", "jax", "backward", _pallas_train, does_op=False),
