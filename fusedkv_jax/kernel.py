@@ -752,8 +752,8 @@ def fused_kv_norm_rope(
 
     Returns:
       ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim]. They
-      differentiate (``jax.grad``, ``jax.vjp``: the Pallas backward kernel on its Triton lowering,
-      :mod:`fusedkv_jax.backward`, after either lowering's forward) with respect to ``kv``,
+      differentiate (``jax.grad``, ``jax.vjp``: a Pallas backward kernel on the forward's
+      lowering, :mod:`fusedkv_jax.backward`, :mod:`fusedkv_jax.mosaic_backward`) with respect to ``kv``,
       ``k_norm_weight`` and ``v_multiplier``;
       ``eps``, ``cos_sin_cache``, ``positions`` and given ``k_out``/``v_out`` get zero cotangents.
 
