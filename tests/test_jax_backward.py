@@ -347,12 +347,14 @@ def test_jax_grad_through_the_cache_variant_is_refused_naming_what_it_differenti
     assert np.isfinite(float(jax.jit(loss)(jnp.asarray(kv), k_cache)))  # undifferentiated, it runs
 
 
-def test_a_second_derivative_through_the_op_is_refused_naming_what_it_differentiates():
-    config = FusedKVConfig(1, 8, 8, "neox")
-    (kv, weight, eps, cache, positions), _, _ = _inputs(config, seed=16)
+@pytest.mark.parametrize("lowering, config, total_ctx", [("triton", FusedKVConfig(1, 8, 8, "neox"), 3),
+                                                          ("mosaic_gpu", FusedKVConfig(1, 32, 32, "neox"), 64)])
+def test_a_second_derivative_through_the_op_is_refused_naming_what_it_differentiates(lowering, config, total_ctx):
+    (kv, weight, eps, cache, positions), _, _ = _inputs(config, total_ctx=total_ctx, seed=16, dtype="bfloat16")
 
     def loss(kv):
-        k, _ = fusedkv_jax.fused_kv_norm_rope(kv, weight, eps, cache, positions, **_static(config))
+        k, _ = fusedkv_jax.fused_kv_norm_rope(kv, weight, eps, cache, positions, **_static(config),
+                                              lowering=lowering)
         return jnp.sum(k * k)
 
     first = jax.grad(loss)(jnp.asarray(kv))  # first order: the backward kernel
