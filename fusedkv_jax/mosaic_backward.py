@@ -31,10 +31,8 @@ from fusedkv_jax.mosaic_kernel import (
     BLOCK_TOKENS,
     GRID_NAMES,
     _SHARED_BYTES,
-    _WORD,
     _as_elements,
     _as_words,
-    _column_runs,
     _fetch_cos_sin_rows,
     _from_fp32,
     _interpret_params,
@@ -45,7 +43,10 @@ from fusedkv_jax.mosaic_kernel import (
     _to_fp32,
     _wait_cos_sin_rows,
     kernel_operands,
+    part_tiles,
     row_offsets,
+    tile_columns,
+    weight_parts,
 )
 from interop.core.reference import SMALLEST_NORMAL_FP32
 from interop.core.spec import FusedKVConfig
@@ -114,7 +115,7 @@ def _backward_block(refs: _GradRefs, *, k_tile, grad_k_tile, grad_v_tile, grad_t
     g_parts = _to_fp32(_load(grad_k_tile, plgpu.Layout.WGMMA, interpret), kv_dtype)
     weight = None
     if weight_tile is not None:
-        weight = _pieces(_weight_parts(_load(weight_tile, plgpu.Layout.WGMMA.reduce(0), interpret), g_parts),
+        weight = _pieces(weight_parts(_load(weight_tile, plgpu.Layout.WGMMA.reduce(0), interpret), g_parts),
                          rotary_dim)
     _wait_cos_sin_rows(run, rows_loaded, run_loaded)
     gn = _rotated_back(_pieces(g_parts, rotary_dim), _load(cos_sin_tile, plgpu.Layout.WGMMA, interpret),
@@ -156,14 +157,6 @@ def _store_grad_v(refs: _GradRefs, grad_v_tile, v_tile, multiplier_sum_tile, ind
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(multiplier_sum_tile, refs.multiplier_sums.at[block, layer, head])
     plgpu.copy_smem_to_gmem(grad_v_tile, refs.grad_kv.at[tokens, layer, 1, head])
-
-
-def _weight_parts(weight, parts: list) -> list:
-    """The layer's weight row (its columns in the order of K's ``parts``, side by side) at
-    the parts' shapes."""
-    rows, width = parts[0].shape
-    weights = jax.lax.broadcast_in_dim(weight, (rows, width * len(parts)), (1,))
-    return [weights[:, index * width:(index + 1) * width] for index in range(len(parts))]
 
 
 def _weight_columns(head_dim: int, rotary_dim: int, words: bool) -> list:
@@ -237,20 +230,15 @@ def backward(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, gra
     operands = kernel_operands(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table,
                                config=config)
     operands.update(grad_k=_as_words(grad_k, gptj), grad_v=_as_words(grad_v, gptj))
-    columns, tile_dtype = (dim // 2, _WORD) if gptj else (dim, kv.dtype)
-    blocks = pl.cdiv(total_ctx, BLOCK_TOKENS)
-    grid = (blocks, n_layers, config.num_kv_heads)
+    columns, tile_dtype = tile_columns(config, kv.dtype)
+    grid = (pl.cdiv(total_ctx, BLOCK_TOKENS), n_layers, config.num_kv_heads)
     tiled = total_ctx % 8 == 0
-    runs = _column_runs(config)[:-1]
-    widths = [width for width in runs if width]
-    starts = [sum(runs[:index]) for index, width in enumerate(runs) if width]
     tokens_per_block = min(BLOCK_TOKENS, total_ctx)
     scratch = dict(
         k_tile=_tile((BLOCK_TOKENS, columns), tile_dtype, tiled=tiled),
         grad_k_tile=_tile((BLOCK_TOKENS, columns), tile_dtype, tiled=tiled),
         grad_v_tile=_tile((BLOCK_TOKENS, columns), tile_dtype, tiled=tiled),
-        grad_tiles=[_tile((BLOCK_TOKENS, width), tile_dtype, tiled=tiled, start=start)
-                    for width, start in zip(widths, starts)],
+        grad_tiles=part_tiles(config, kv.dtype, tiled=tiled),
         positions_tile=plgpu.SMEM((BLOCK_TOKENS,), jnp.int32),
         cos_sin_tile=plgpu.SMEM((BLOCK_TOKENS, rotary_dim), jnp.float32),
         loaded=plgpu.Barrier(num_arrivals=3 + (v_multiplier is not None) + (k_norm_weight is not None)),

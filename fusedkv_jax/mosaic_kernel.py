@@ -100,6 +100,23 @@ def _column_runs(config: FusedKVConfig) -> tuple:
     return rotary_dim // 2, rotary_dim // 2, dim - rotary_dim, dim // 2
 
 
+def tile_columns(config: FusedKVConfig, kv_dtype) -> tuple:
+    """``(columns, dtype)`` of a K or V tile's rows: ``head_dim`` elements of ``kv_dtype``,
+    or for ``gptj`` ``head_dim / 2`` words."""
+    if config.rope_style == "gptj":
+        return config.head_dim // 2, _WORD
+    return config.head_dim, jnp.dtype(kv_dtype)
+
+
+def part_tiles(config: FusedKVConfig, kv_dtype, *, tiled: bool) -> list:
+    """The shared-memory tiles K's parts go out through (:func:`_tiles_out`), side by side
+    in a row."""
+    _, dtype = tile_columns(config, kv_dtype)
+    runs = _column_runs(config)[:-1]
+    return [_tile((BLOCK_TOKENS, width), dtype, tiled=tiled, start=sum(runs[:index]))
+            for index, width in enumerate(runs) if width]
+
+
 def supports_context(total_ctx: int, *, interpret: bool) -> bool:
     """Whether this kernel takes a context of ``total_ctx`` tokens (module docstring)."""
     if interpret:
@@ -351,9 +368,15 @@ def _normalized(parts: list, weight, row_terms, head_dim: int) -> list:
     # The edge values of interop.core.reference, as the Triton lowering decides them per head row.
     inv_rms = jnp.where(mean_square_eps < SMALLEST_NORMAL_FP32, 0.0, jax.lax.rsqrt(mean_square_eps))
     inv_rms = by_row(jnp.where(sum_squares < jnp.inf, inv_rms, jnp.nan))
-    width = parts[0].shape[1]
-    weights = jax.lax.broadcast_in_dim(weight, (parts[0].shape[0], width * len(parts)), (1,))
-    return [part * inv_rms * weights[:, index * width:(index + 1) * width] for index, part in enumerate(parts)]
+    return [part * inv_rms * weights for part, weights in zip(parts, weight_parts(weight, parts))]
+
+
+def weight_parts(weight, parts: list) -> list:
+    """The layer's weight row (its columns those of K's ``parts``, side by side) at the
+    parts' shapes."""
+    rows, width = parts[0].shape
+    weights = jax.lax.broadcast_in_dim(weight, (rows, width * len(parts)), (1,))
+    return [weights[:, index * width:(index + 1) * width] for index in range(len(parts))]
 
 
 def _rotated(parts: list, cos_sin, rotary_dim: int) -> list:
@@ -479,12 +502,11 @@ def launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_out=None, v_out=N
 
 def kernel_operands(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table, *,
                     config: FusedKVConfig) -> dict:
-    """The arrays a kernel of this module reads, by :class:`_Refs`' names, those of options
-    not taken left out:
-    ``kv`` as ``[total_ctx, n_layers, 2, heads, head_dim]`` (words for ``gptj``), the
-    tables, weight, eps and multiplier in fp32 (the weight's even dims first for
-    ``gptj``), int32 positions (an int64 one narrowed with out-of-range values kept out of
-    range)."""
+    """The arrays a kernel of this module reads, by :class:`_Refs`' names (those of the
+    options not taken left out): ``kv`` as ``[total_ctx, n_layers, 2, heads, head_dim]``
+    (words for ``gptj``), the tables, weight, eps and multiplier in fp32 (the weight's even
+    dims first for ``gptj``), int32 positions (an int64 one narrowed with out-of-range
+    values kept out of range)."""
     total_ctx, n_layers, _ = kv.shape
     max_position = cos_sin_cache.shape[-2]
     if positions.dtype != jnp.int32:
@@ -526,20 +548,14 @@ class _Kernel:
     def __init__(self, config: FusedKVConfig, total_ctx: int, n_layers: int, dtype, inputs: tuple,
                  interpret: bool):
         dim, rotary_dim = config.head_dim, config.rotary_dim
-        gptj = config.rope_style == "gptj"
-        # A tile's columns: elements, or words of two for gptj (its K parts out: the rotary pairs, the tail's).
-        columns, tile_dtype = (dim // 2, _WORD) if gptj else (dim, dtype)
-        runs = _column_runs(config)[:-1]
-        widths = [width for width in runs if width]
-        starts = [sum(runs[:index]) for index, width in enumerate(runs) if width]
+        columns, tile_dtype = tile_columns(config, dtype)
         tokens_per_block = min(BLOCK_TOKENS, total_ctx)
         k_norm = "weight" in inputs
         # Tiled copies move whole tiles of 8 rows: a context of another length takes the
         # untiled tiles (bank conflicts in their loads and stores).
         tiled = total_ctx % 8 == 0
         shared = dict(
-            out_tiles=[_tile((BLOCK_TOKENS, width), tile_dtype, tiled=tiled, start=start)
-                       for width, start in zip(widths, starts)],
+            out_tiles=part_tiles(config, dtype, tiled=tiled),
             positions_tile=plgpu.SMEM((BLOCK_TOKENS,), jnp.int32),
             cos_sin_tile=plgpu.SMEM((BLOCK_TOKENS, rotary_dim), jnp.float32),
             rows_loaded=plgpu.Barrier(num_arrivals=tokens_per_block),
