@@ -872,17 +872,19 @@ def test_mosaic_out_of_range_positions_give_nan_rows_and_keep_v():
     assert rows_nan.nonzero()[0].tolist() == [0, 5, 9, 63]
 
 
+@pytest.mark.parametrize("rope_style", ["neox", "gptj"])
 @pytest.mark.parametrize("given", ["k_out", "v_out"])
-def test_mosaic_with_one_output_given_writes_it_and_allocates_the_other(given):
-    config = FusedKVConfig(1, 64, 32, "neox")
+def test_mosaic_with_one_output_given_writes_it_and_allocates_the_other(given, rope_style):
+    config = FusedKVConfig(1, 64, 32, rope_style)
     host = _inputs(config, n_layers=3, total_ctx=64, seed=37)
     k, v = jax.jit(functools.partial(fused_kv_norm_rope, **_static(config), lowering="mosaic_gpu"))(
         *host, **{given: _poisoned(config.output_shape(3, 64), jnp.bfloat16)})
     _assert_matches_reference(k, v, host, config)
 
 
-def test_mosaic_under_vmap_without_given_outputs_matches_each_call():
-    config = FusedKVConfig(1, 64, 32, "neox")
+@pytest.mark.parametrize("rope_style", ["neox", "gptj"])
+def test_mosaic_under_vmap_without_given_outputs_matches_each_call(rope_style):
+    config = FusedKVConfig(1, 64, 32, rope_style)
     contexts = [_inputs(config, n_layers=2, total_ctx=64, seed=38 + i) for i in range(3)]
     kv = np.stack([host[0] for host in contexts])
     fixed, positions = contexts[0][1:4], contexts[0][4]
