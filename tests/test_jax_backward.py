@@ -290,6 +290,24 @@ def test_jax_gradients_on_the_mosaic_lowering_take_the_references_edge_values(ed
     _assert_mosaic_grads(got, expected, grads[1], config, "float16", True)
 
 
+def test_jax_gradients_on_the_mosaic_lowering_under_vmap_match_each_call():
+    config = FusedKVConfig(1, 64, 32, "gptj")
+    contexts = [_inputs(config, dtype="bfloat16", n_layers=2, total_ctx=64, seed=50 + i) for i in range(2)]
+    (_, weight, eps, cache, positions), grads, _ = contexts[0]
+    kv = np.stack([arrays[0] for arrays, _, _ in contexts])
+
+    def gradient(kv):
+        _, vjp = jax.vjp(lambda kv: fusedkv_jax.fused_kv_norm_rope(
+            kv, weight, eps, cache, positions, **_static(config), lowering="mosaic_gpu"), kv)
+        return vjp(tuple(jnp.asarray(g) for g in grads))[0]
+
+    batched = jax.vmap(gradient)(jnp.asarray(kv))
+    for index in range(len(contexts)):
+        expected, _, _ = fused_kv_norm_rope_backward_reference(kv[index], weight, eps, cache, positions, *grads,
+                                                               **_static(config))
+        assert_grad_close(batched[index], expected, "bfloat16", f"grad_kv of context {index}")
+
+
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests below compile the kernel for real")
 @pytest.mark.parametrize("config, multiplied, kernel", [
     (FusedKVConfig(8, 128, 64, "neox"), True, "mosaic_gpu"),
