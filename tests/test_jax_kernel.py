@@ -853,6 +853,21 @@ def test_mosaic_programs_take_the_most_heads_that_leave_each_multiprocessor_two_
     assert mosaic_kernel.heads_per_program(config, total_ctx, n_layers, dtype) == heads
 
 
+@pytest.mark.parametrize("head_dim, rotary_dim, dtype, taken", [
+    (128, 128, jnp.bfloat16, True), (64, 32, jnp.float16, True), (192, 192, jnp.bfloat16, True),
+    (96, 48, jnp.bfloat16, True),  # 24 words rotated, 24 past them, 24 in half a row
+    (64, 16, jnp.bfloat16, True),  # 8 words rotated (neox's halves of 8 elements would be 16 bytes)
+    (96, 24, jnp.bfloat16, False),  # 12 words rotated: not a run of 32 bytes
+    (80, 80, jnp.bfloat16, False),  # 20 words in half a row
+    (128, 32, jnp.float32, False),  # fp32 kv stays on the Triton lowering
+    (256, 256, jnp.float16, True),
+])
+def test_mosaic_takes_gptj_where_every_run_of_words_is_8_words(head_dim, rotary_dim, dtype, taken):
+    from fusedkv_jax import mosaic_kernel
+
+    assert mosaic_kernel.supports(FusedKVConfig(4, head_dim, rotary_dim, "gptj"), dtype) == taken
+
+
 @pytest.mark.parametrize("table_dtype", ["bfloat16", "float16"])
 def test_mosaic_reads_a_table_in_the_model_dtype_as_fp32(table_dtype):
     config = FusedKVConfig(1, 32, 32, "neox")
