@@ -731,6 +731,7 @@ MOSAIC_CASES = [  # config, n_layers, total_ctx, kv dtype, position dtype
     # gptj as words of pairs: rotated whole, with a tail of pairs, fp16.
     (FusedKVConfig(2, 64, 64, "gptj"), 2, 64, "bfloat16", "int32"),
     (FusedKVConfig(1, 96, 32, "gptj"), 1, 128, "float16", "int64"),
+    (FusedKVConfig(2, 64, 16, "gptj"), 1, 64, "bfloat16", "int32"),  # one run of 8 words rotated
 ]
 
 
