@@ -20,7 +20,7 @@ and again at permuted columns for each element's RoPE partner (the forward's
 :class:`~fusedkv_jax.kernel._KRows`), in every form. Under a jit sharded by XLA its one
 ``pallas_call`` is not partitioned (inside ``jax.shard_map`` each device runs it on its own
 tokens). The Mosaic GPU lowering's forward has a Mosaic GPU backward of its own
-(:mod:`fusedkv_jax.mosaic_backward`), this one where that one's tiles do not fit.
+(:mod:`fusedkv_jax.mosaic_backward`).
 """
 
 from __future__ import annotations
@@ -215,8 +215,7 @@ _first_order_mosaic_backward = _first_order(lambda *arrays, **static: mosaic_bac
 def _differentiable_mosaic_launch(options: tuple, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest,
                                   v_multiplier, layer_rope_table):
     """:func:`fusedkv_jax.mosaic_kernel.launch`, differentiable: its backward is
-    :mod:`fusedkv_jax.mosaic_backward`'s kernel, or, where that one's tiles do not fit,
-    this module's on the tile the Triton lowering's forward would take."""
+    :mod:`fusedkv_jax.mosaic_backward`'s kernel."""
     options = dict(options)
     return mosaic_kernel.launch(kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, v_dest, v_multiplier,
                                 layer_rope_table, config=options["config"], interpret=options["interpret"])
@@ -231,11 +230,8 @@ def _mosaic_forward(options, kv, k_norm_weight, eps, cos_sin_cache, positions, k
 
 def _mosaic_backward(options, residuals, cotangents):
     kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table = residuals
-    config = dict(options)["config"]
-    if not mosaic_backward.supports(config, kv.dtype, v_multiplier=v_multiplier is not None):
-        return _backward(options, residuals, cotangents)
     grad_k, grad_v = cotangents
-    static = dict(config=config, interpret=dict(options)["interpret"])
+    static = dict(config=dict(options)["config"], interpret=dict(options)["interpret"])
     grad_kv, grad_weight, grad_multiplier = _first_order_mosaic_backward(
         tuple(static.items()), kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier,
         grad_k.astype(kv.dtype), grad_v.astype(kv.dtype), layer_rope_table)

@@ -54,13 +54,14 @@ from interop.core.spec import FusedKVConfig
 KERNEL_NAME = "fused_kv_norm_rope_mosaic_backward"
 
 
-def supports(config: FusedKVConfig, kv_dtype, *, v_multiplier: bool) -> bool:
-    """Whether this kernel takes the backward of a call the Mosaic GPU forward took: its
-    tiles (K, V's gradient and K's, V's too with a ``v_multiplier``, K's gradient out, the
-    cos/sin rows) fit shared memory; not for head_dim 256 with a v_multiplier and a rotary
-    of more than about 150 dims, whose backward the Triton lowering's kernel computes."""
+def scales_v_in_kernel(config: FusedKVConfig, kv_dtype) -> bool:
+    """Whether a program's tiles with a ``v_multiplier`` fit shared memory: K, the gradients
+    of K and V, V, K's gradient out and the cos/sin rows. Where they do not (head_dim 256
+    with a rotary of more than about 150 dims), the kernel copies V's gradient unscaled and
+    jnp scales it and sums ``v * g_v`` after it. Without a multiplier the tiles always fit
+    where the forward's do."""
     tile_bytes = BLOCK_TOKENS * config.head_dim * jnp.dtype(kv_dtype).itemsize
-    return (4 + v_multiplier) * tile_bytes + BLOCK_TOKENS * 4 * config.rotary_dim <= _SHARED_BYTES
+    return 5 * tile_bytes + BLOCK_TOKENS * 4 * config.rotary_dim <= _SHARED_BYTES
 
 
 class _GradRefs(NamedTuple):
@@ -224,6 +225,9 @@ def backward(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, gra
     last two None without a K-norm, a multiplier; ``grad_k``/``grad_v`` in ``kv``'s dtype,
     ``[n_layers, total_ctx, heads, head_dim]``. The arguments as for
     :func:`fusedkv_jax.mosaic_kernel.launch`, which must take the call."""
+    if v_multiplier is not None and not scales_v_in_kernel(config, kv.dtype):
+        return _scaled_v_after(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, grad_k, grad_v,
+                               layer_rope_table, config=config, interpret=interpret)
     total_ctx, n_layers, _ = kv.shape
     gptj = config.rope_style == "gptj"
     dim, rotary_dim = config.head_dim, config.rotary_dim
@@ -281,3 +285,18 @@ def backward(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, gra
     if v_multiplier is not None:
         grad_multiplier = results["multiplier_sums"].sum(axis=(0, 2, 3))
     return grad_kv, grad_weight, grad_multiplier
+
+
+def _scaled_v_after(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, grad_k, grad_v, layer_rope_table,
+                    *, config: FusedKVConfig, interpret: bool):
+    """:func:`backward` with a ``v_multiplier`` where its tiles do not fit: the kernel without
+    one, then V's gradient ``g_v * v_multiplier[l]`` (in fp32, rounded once) written over
+    the copy it made, and ``sum(v * g_v)`` per layer, by jnp."""
+    grad_kv, grad_weight, _ = backward(kv, k_norm_weight, eps, cos_sin_cache, positions, None, grad_k, grad_v,
+                                       layer_rope_table, config=config, interpret=interpret)
+    total_ctx, n_layers, width = kv.shape
+    g_v = grad_v.astype(jnp.float32).swapaxes(0, 1).reshape(total_ctx, n_layers, width // 2)
+    v = kv[:, :, width // 2:].astype(jnp.float32)
+    multiplier = v_multiplier.astype(jnp.float32)
+    grad_kv = grad_kv.at[:, :, width // 2:].set((g_v * multiplier[None, :, None]).astype(kv.dtype))
+    return grad_kv, grad_weight, jnp.sum(v * g_v, axis=(0, 2))
