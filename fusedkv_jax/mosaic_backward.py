@@ -14,7 +14,9 @@ block's cos/sin rows fetched by the forward's own fetch, each row in the WGMMA r
 layout so that its reductions are row reductions, ``neox`` halves and ``gptj`` pairs (as
 32-bit words) the forward's pieces. Each program writes the column sums of its rows'
 weight and multiplier terms to a row of partial sums of its own, added up by jnp after
-the kernel (deterministic, unlike atomics).
+the kernel (deterministic, unlike atomics). It takes every call the forward takes: where
+V's tile does not fit beside the others, jnp scales V's gradient after the kernel
+(:func:`scales_v_in_kernel`).
 """
 
 from __future__ import annotations
