@@ -178,14 +178,20 @@ def _forward(options, kv, k_norm_weight, eps, cos_sin_cache, positions, k_dest, 
 
 
 def _backward(options, residuals, cotangents):
-    kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table = residuals
-    grad_k, grad_v = cotangents
     options = dict(options)
     block_tokens, block_heads, num_warps = backward_tile(
         options["block_tokens"], options["block_heads"], options["config"].head_dim)
     static = dict(config=options["config"], block_tokens=block_tokens, block_heads=block_heads, num_warps=num_warps,
                   interpret=options["interpret"])
-    grad_kv, grad_weight, grad_multiplier = _first_order_backward(
+    return _cotangents(_first_order_backward, static, residuals, cotangents)
+
+
+def _cotangents(first_order_backward, static: dict, residuals, cotangents) -> tuple:
+    """The launch's cotangents from ``first_order_backward`` (with its ``static`` arguments)
+    on the forward's residuals and the outputs' cotangents, in ``kv``'s dtype."""
+    kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table = residuals
+    grad_k, grad_v = cotangents
+    grad_kv, grad_weight, grad_multiplier = first_order_backward(
         tuple(static.items()), kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier,
         grad_k.astype(kv.dtype), grad_v.astype(kv.dtype), layer_rope_table)
     # None: a zero cotangent (eps, the tables, positions, outputs the forward overwrote whole, the tables' index).
@@ -229,13 +235,9 @@ def _mosaic_forward(options, kv, k_norm_weight, eps, cos_sin_cache, positions, k
 
 
 def _mosaic_backward(options, residuals, cotangents):
-    kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, layer_rope_table = residuals
-    grad_k, grad_v = cotangents
-    static = dict(config=dict(options)["config"], interpret=dict(options)["interpret"])
-    grad_kv, grad_weight, grad_multiplier = _first_order_mosaic_backward(
-        tuple(static.items()), kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier,
-        grad_k.astype(kv.dtype), grad_v.astype(kv.dtype), layer_rope_table)
-    return grad_kv, grad_weight, None, None, None, None, None, grad_multiplier, None
+    options = dict(options)
+    static = dict(config=options["config"], interpret=options["interpret"])
+    return _cotangents(_first_order_mosaic_backward, static, residuals, cotangents)
 
 
 _differentiable_mosaic_launch.defvjp(_mosaic_forward, _mosaic_backward)

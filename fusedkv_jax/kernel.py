@@ -24,7 +24,8 @@ gather on Hopper: TMA copies with scalar starts fetch the cos/sin rows). It take
 bf16/fp16 ``kv`` whose ``neox`` rotary halves and tail, or ``gptj`` rotary pairs and
 tail pairs (moved as 32-bit words), are runs of 32 bytes, and ``total_ctx`` at most 8
 or a multiple of 8 (a multiple of 64 in interpret mode), with every option of the op
-(no K-norm, ``v_multiplier``, ``layer_rope_table``); other calls with it are refused. It is not the default because it is slower where it matters most: it passes
+(no K-norm, ``v_multiplier``, ``layer_rope_table``); other calls with it are refused.
+It is not the default because it is slower where it matters most: it passes
 the reference checks on the GPU, but timed in jit as a jit user runs it (``fusedkv
 bench``'s ``pallas-mosaic`` row, which checks that the compiled jit launches it once per
 call) it matches the Triton lowering only at long contexts with many heads a program,
@@ -753,7 +754,8 @@ def fused_kv_norm_rope(
     Returns:
       ``(k_out, v_out)``, each dtype-of-kv[n_layers, total_ctx, num_kv_heads, head_dim]. They
       differentiate (``jax.grad``, ``jax.vjp``: a Pallas backward kernel on the forward's
-      lowering, :mod:`fusedkv_jax.backward`, :mod:`fusedkv_jax.mosaic_backward`) with respect to ``kv``,
+      lowering, :mod:`fusedkv_jax.backward`, :mod:`fusedkv_jax.mosaic_backward`) with respect
+      to ``kv``,
       ``k_norm_weight`` and ``v_multiplier``;
       ``eps``, ``cos_sin_cache``, ``positions`` and given ``k_out``/``v_out`` get zero cotangents.
 

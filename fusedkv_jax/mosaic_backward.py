@@ -46,11 +46,13 @@ from fusedkv_jax.mosaic_kernel import (
     _wait_cos_sin_rows,
     kernel_operands,
     part_tiles,
+    by_row,
+    inverse_rms,
     row_offsets,
+    row_sums,
     tile_columns,
     weight_parts,
 )
-from interop.core.reference import SMALLEST_NORMAL_FP32
 from interop.core.spec import FusedKVConfig
 
 KERNEL_NAME = "fused_kv_norm_rope_mosaic_backward"
@@ -90,8 +92,8 @@ class _GradRefs(NamedTuple):
 
 def _backward_block(refs: _GradRefs, *, k_tile, grad_k_tile, grad_v_tile, grad_tiles, positions_tile, cos_sin_tile,
                     loaded, positions_loaded, rows_loaded, run_loaded, v_tile=None, weight_tile=None,
-                    weight_sum_tiles=(), multiplier_sum_tile=None, head_dim: int, rotary_dim: int,
-                    tokens_per_block: int, total_ctx: int, kv_dtype, interpret: bool):
+                    weight_sum_tiles=(), multiplier_sum_tile=None, weight_starts=(), head_dim: int,
+                    rotary_dim: int, tokens_per_block: int, total_ctx: int, kv_dtype, interpret: bool):
     """The gradients of one head for one layer and ``BLOCK_TOKENS`` tokens: the grid point
     ``(block, layer, head)``; the shared-memory tiles and barriers come by name."""
     block, layer, head = (jax.lax.axis_index(name) for name in GRID_NAMES)
@@ -135,7 +137,7 @@ def _backward_block(refs: _GradRefs, *, k_tile, grad_k_tile, grad_v_tile, grad_t
     for tile in grad_tiles:
         plgpu.copy_smem_to_gmem(tile, refs.grad_kv.at[tokens, layer, 0, head, pl.ds(start, tile.shape[1])])
         start += tile.shape[1]
-    for tile, start in zip(weight_sum_tiles, _weight_columns(head_dim, rotary_dim, len(g_parts) == 2)):
+    for tile, start in zip(weight_sum_tiles, weight_starts):
         plgpu.copy_smem_to_gmem(tile, refs.weight_sums.at[block, layer, head, pl.ds(start, tile.shape[0])])
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -162,14 +164,16 @@ def _store_grad_v(refs: _GradRefs, grad_v_tile, v_tile, multiplier_sum_tile, ind
     plgpu.copy_smem_to_gmem(grad_v_tile, refs.grad_kv.at[tokens, layer, 1, head])
 
 
-def _weight_columns(head_dim: int, rotary_dim: int, words: bool) -> list:
-    """Where each of :func:`~fusedkv_jax.mosaic_kernel._pieces`' pieces starts in the weight's
-    columns: ``neox`` the halves and the tail side by side; ``gptj`` (``words``) the even
-    dims, then the odd ones, each rotary dims first."""
-    half = rotary_dim // 2
-    if words:
-        return [0, head_dim // 2, half, head_dim // 2 + half]
-    return [0, half, rotary_dim]
+def _weight_pieces(config: FusedKVConfig) -> list:
+    """``(start, width)`` in the weight's columns of each of
+    :func:`~fusedkv_jax.mosaic_kernel._pieces`' pieces: ``neox`` the halves and the tail
+    side by side; ``gptj`` the even dims, then the odd ones, each rotary dims first."""
+    dim, half = config.head_dim, config.rotary_dim // 2
+    if config.rope_style == "gptj":
+        pieces = [(0, half), (dim // 2, half), (half, dim // 2 - half), (dim // 2 + half, dim // 2 - half)]
+    else:
+        pieces = [(0, half), (half, half), (2 * half, dim - 2 * half)]
+    return [(start, width) for start, width in pieces if width]
 
 
 def _flat(pieces: tuple) -> list:
@@ -191,33 +195,20 @@ def _normalized_grads(x: list, gn: list, weight, row_terms, counted, head_dim: i
     number (a head the forward poisons does not depend on the weight). Without a
     ``weight`` (no K-norm): ``gn`` times each row's term (1, or NaN without a rotation), and
     no sums. The edge values of ``r`` are the forward's (CONTRACT.md, Gradients)."""
-    def by_row(values, like):
-        return jax.lax.broadcast_in_dim(values, like.shape, (0,))
-
     if weight is None:
         return [piece * by_row(row_terms, piece) for piece in gn], []
-    sum_squares = _row_sums([piece * piece for piece in x])
-    mean_square_eps = sum_squares / head_dim + row_terms
-    inv_rms = jnp.where(mean_square_eps < SMALLEST_NORMAL_FP32, 0.0, jax.lax.rsqrt(mean_square_eps))
-    inv_rms = jnp.where(sum_squares < jnp.inf, inv_rms, jnp.nan)
+    inv_rms = inverse_rms(x, row_terms, head_dim)
     normed = [piece * by_row(inv_rms, piece) for piece in x]
     weighted = [g_piece * w_piece for g_piece, w_piece in zip(gn, weight)]
-    mean = _row_sums([n * w for n, w in zip(normed, weighted)]) / head_dim
+    mean = row_sums([n * w for n, w in zip(normed, weighted)]) / head_dim
     grads = [by_row(inv_rms, n) * (w - n * by_row(mean, n)) for n, w in zip(normed, weighted)]
     summed = counted & (inv_rms == inv_rms)
     return grads, [_column_sums(g_piece * n, summed) for g_piece, n in zip(gn, normed)]
 
 
-def _row_sums(pieces: list):
-    total = jnp.sum(pieces[0], axis=1)
-    for piece in pieces[1:]:
-        total = total + jnp.sum(piece, axis=1)
-    return total
-
-
 def _column_sums(values, counted):
     """``values`` summed over the rows where ``counted``: ``[columns]``."""
-    return jnp.sum(jnp.where(jax.lax.broadcast_in_dim(counted, values.shape, (0,)), values, 0.0), axis=0)
+    return jnp.sum(jnp.where(by_row(counted, values), values, 0.0), axis=0)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -254,17 +245,15 @@ def backward(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, gra
     )
     outputs = dict(grad_kv=jax.ShapeDtypeStruct(operands["kv"].shape, tile_dtype))
     if k_norm_weight is not None:
-        half = rotary_dim // 2
-        tail = columns - half if gptj else dim - rotary_dim  # each of gptj's two tails (even, odd dims)
-        piece_widths = [half, half] + [tail] * ((1 + gptj) if tail else 0)
         scratch.update(weight_tile=plgpu.SMEM((dim,), jnp.float32),
-                       weight_sum_tiles=[plgpu.SMEM((width,), jnp.float32) for width in piece_widths])
+                       weight_sum_tiles=[plgpu.SMEM((width,), jnp.float32) for _, width in _weight_pieces(config)])
         outputs.update(weight_sums=jax.ShapeDtypeStruct((*grid, dim), jnp.float32))
     if v_multiplier is not None:
         scratch.update(v_tile=_tile((BLOCK_TOKENS, columns), tile_dtype, tiled=tiled),
                        multiplier_sum_tile=plgpu.SMEM((columns,), jnp.float32))
         outputs.update(multiplier_sums=jax.ShapeDtypeStruct((*grid, columns), jnp.float32))
-    kernel = functools.partial(_backward_block, head_dim=dim, rotary_dim=rotary_dim,
+    kernel = functools.partial(_backward_block, weight_starts=[start for start, _ in _weight_pieces(config)],
+                               head_dim=dim, rotary_dim=rotary_dim,
                                tokens_per_block=tokens_per_block, total_ctx=total_ctx, kv_dtype=kv.dtype,
                                interpret=interpret)
     inputs, names = tuple(operands), tuple(outputs)

@@ -356,19 +356,34 @@ def _normalized(parts: list, weight, row_terms, head_dim: int) -> list:
     RMS-normalized over all its parts (``row_terms``: its ``eps``) and weighted (``weight``:
     the parts' columns side by side); without a ``weight`` (no K-norm) each row times its
     term (1). A NaN term makes its row NaN either way."""
-    def by_row(values):
-        return jax.lax.broadcast_in_dim(values, parts[0].shape, (0,))
-
     if weight is None:
-        return [part * by_row(row_terms) for part in parts]
-    sum_squares = jnp.sum(parts[0] * parts[0], axis=1)
-    for part in parts[1:]:
-        sum_squares = sum_squares + jnp.sum(part * part, axis=1)
+        return [part * by_row(row_terms, part) for part in parts]
+    inv_rms = inverse_rms(parts, row_terms, head_dim)
+    return [part * by_row(inv_rms, part) * weights for part, weights in zip(parts, weight_parts(weight, parts))]
+
+
+def inverse_rms(pieces: list, row_terms, head_dim: int):
+    """``rsqrt(mean(k*k) + eps)`` of each row of a K tile's ``pieces`` (its columns side by
+    side; ``row_terms``: each row's ``eps``, NaN without a row), with the edge values of
+    interop.core.reference as the Triton lowering decides them per head row: 0 where there
+    is no scale to normalize by, NaN where the sum of squares is not finite."""
+    sum_squares = row_sums([piece * piece for piece in pieces])
     mean_square_eps = sum_squares / head_dim + row_terms
-    # The edge values of interop.core.reference, as the Triton lowering decides them per head row.
     inv_rms = jnp.where(mean_square_eps < SMALLEST_NORMAL_FP32, 0.0, jax.lax.rsqrt(mean_square_eps))
-    inv_rms = by_row(jnp.where(sum_squares < jnp.inf, inv_rms, jnp.nan))
-    return [part * inv_rms * weights for part, weights in zip(parts, weight_parts(weight, parts))]
+    return jnp.where(sum_squares < jnp.inf, inv_rms, jnp.nan)
+
+
+def row_sums(pieces: list):
+    """Each row's sum over all of ``pieces`` (arrays of the same rows)."""
+    total = jnp.sum(pieces[0], axis=1)
+    for piece in pieces[1:]:
+        total = total + jnp.sum(piece, axis=1)
+    return total
+
+
+def by_row(values, like):
+    """A value a row (``[rows]``) at ``like``'s shape."""
+    return jax.lax.broadcast_in_dim(values, like.shape, (0,))
 
 
 def weight_parts(weight, parts: list) -> list:
