@@ -29,9 +29,9 @@ out; otherwise the tiles are plain (their register loads and stores have bank
 conflicts) and V moves in two column halves (see :func:`_one_head_kernel`).
 
 What it serves: ``kv`` in bf16/fp16, ``head_dim`` up to 256 (a TMA box side) and
-shared memory permitting, with every run of columns it copies a multiple of 8 columns
-and of 32 bytes (the narrowest swizzle): ``neox``'s ``rotary_dim / 2`` and ``head_dim -
-rotary_dim``, ``gptj``'s rotary words and tail words (:func:`supports`);
+shared memory permitting, ``head_dim`` a multiple of 32 and every run of K's columns a
+multiple of 16 columns: ``neox``'s ``rotary_dim / 2`` and ``head_dim - rotary_dim``
+elements, ``gptj``'s rotary words and tail words (:func:`supports`);
 ``total_ctx`` at most 8 or a multiple of 8 (:func:`supports_context`). The rest (fp32
 ``kv``, narrower runs) is the Triton lowering's.
 
@@ -74,6 +74,11 @@ _SHARED_BYTES = 200 * 1024  # of Hopper's 227 KiB per block, with room for the r
 _KV_DTYPES = (jnp.bfloat16, jnp.float16)
 # gptj rows move as words of two 16-bit elements, each word one rotary pair.
 _WORD = jnp.dtype(jnp.uint32)
+# Every run of K's columns is a multiple of 16 tile columns: 32 bytes of 16-bit elements
+# (the narrowest swizzle), 64 of words. A run of 8 words (a 32-byte swizzle of words, and
+# cos/sin halves of 8 fp32 columns) ends in CUDA_ERROR_MISALIGNED_ADDRESS on Hopper
+# (jax 0.11.2).
+_RUN_COLUMNS = 16
 GRID_NAMES = ("block", "layer", "head")  # "head": a group of heads where a program loops over them
 # Programs of several heads loop over them only where they still give each multiprocessor this many.
 _PROGRAMS_PER_MULTIPROCESSOR = 2
@@ -85,19 +90,19 @@ def supports(config: FusedKVConfig, kv_dtype) -> bool:
     dtype = jnp.dtype(kv_dtype)
     if dtype not in [jnp.dtype(d) for d in _KV_DTYPES]:
         return False
-    itemsize = _WORD.itemsize if config.rope_style == "gptj" else dtype.itemsize
-    return (config.head_dim <= _MAX_BOX and _fits_shared_memory(config, dtype, kv_tiles=2)
-            and all(width % 8 == 0 and width * itemsize % 32 == 0 for width in _column_runs(config) if width))
+    return (config.head_dim <= _MAX_BOX and config.head_dim % 32 == 0
+            and _fits_shared_memory(config, dtype, kv_tiles=2)
+            and all(width % _RUN_COLUMNS == 0 for width in _column_runs(config)))
 
 
 def _column_runs(config: FusedKVConfig) -> tuple:
-    """The widths of the column runs a program copies, in the tiles' columns (elements;
-    words of two for ``gptj``): K's parts out (``neox``: the two rotary halves and the
-    tail; ``gptj``: the rotary pairs and the tail's), then half a row (V's untiled halves)."""
+    """The widths of the column runs K's parts go out in, in the tiles' columns (elements;
+    words of two for ``gptj``): ``neox``'s two rotary halves and tail, ``gptj``'s rotary
+    pairs and the tail's (an empty run is none)."""
     dim, rotary_dim = config.head_dim, config.rotary_dim
     if config.rope_style == "gptj":
-        return rotary_dim // 2, (dim - rotary_dim) // 2, dim // 4
-    return rotary_dim // 2, rotary_dim // 2, dim - rotary_dim, dim // 2
+        return rotary_dim // 2, (dim - rotary_dim) // 2
+    return rotary_dim // 2, rotary_dim // 2, dim - rotary_dim
 
 
 def tile_columns(config: FusedKVConfig, kv_dtype) -> tuple:
@@ -112,7 +117,7 @@ def part_tiles(config: FusedKVConfig, kv_dtype, *, tiled: bool) -> list:
     """The shared-memory tiles K's parts go out through (:func:`_tiles_out`), side by side
     in a row."""
     _, dtype = tile_columns(config, kv_dtype)
-    runs = _column_runs(config)[:-1]
+    runs = _column_runs(config)
     return [_tile((BLOCK_TOKENS, width), dtype, tiled=tiled, start=sum(runs[:index]))
             for index, width in enumerate(runs) if width]
 
@@ -131,8 +136,8 @@ def refused_config(config: FusedKVConfig, kv_dtype) -> str | None:
         return None
     return (f"got 'mosaic_gpu' for rope_style={config.rope_style!r}, head_dim={config.head_dim}, "
             f"rotary_dim={config.rotary_dim}, dtype={jnp.dtype(kv_dtype).name}, expected 'triton' (Mosaic GPU "
-            "takes bf16/fp16 with head_dim <= 256 whose neox rotary halves and tail, or gptj rotary pairs and "
-            "tail pairs as 32-bit words, are multiples of 8 columns and 32 bytes)")
+            "takes bf16/fp16 with head_dim <= 256 and a multiple of 32 whose neox rotary halves and tail, or gptj "
+            "rotary pairs and tail pairs as 32-bit words, are multiples of 16 columns)")
 
 
 def refused_context(total_ctx: int, *, interpret: bool) -> str | None:
