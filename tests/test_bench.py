@@ -1739,6 +1739,50 @@ def test_from_json_takes_a_row_measured_again_from_the_later_part(tmp_path, caps
         (m.shape, m.implementation, m.tokens) for m in first]  # each row where it first stood
 
 
+def _part(tmp_path, name, rows, positions="uniform"):
+    """A bench.json of ``rows`` (shape, implementation, tokens, check) as a grid part's run wrote it."""
+    from interop.bench.shapes import GRID
+
+    measurements = [Measurement(shape, GRID[shape].dtype, implementation, "torch", "copy" if "copy" in implementation
+                                else "kernel", "device", tokens, None if check != "ok" else 1e-6, 10**6, check=check)
+                    for shape, implementation, tokens, check in rows]
+    meta = dict(command=name, devices={"torch": "Test GPU"}, versions={}, dtype="bfloat16", positions=positions,
+                shapes=sorted({row[0] for row in rows}), copy_ceiling=[None, ""])
+    write_data(annotate(measurements), tmp_path / name, meta)
+    return str(tmp_path / name / "bench.json")
+
+
+def test_a_resumed_grid_run_skips_the_sizes_whose_every_row_passed_in_an_earlier_part(tmp_path, capsys):
+    from interop.bench.shapes import GRID
+
+    small = next(i for i, shape in enumerate(GRID.values()) if shape.op_bytes(32768, shape.dtype) <= 8 * 2**30)
+    name = list(GRID)[small]
+    first = _part(tmp_path, "part1", [(name, "triton", 16, "ok"), (name, "torch-copy", 16, "ok"),
+                                      (name, "triton", 64, "ok"),  # its copy not measured: 64 runs again
+                                      (name, "triton", 256, "FAIL: k: 1 of 10 elements outside tolerance"),
+                                      (name, "torch-copy", 256, "ok")])
+    second = _part(tmp_path, "part2", [(name, "triton", 1024, "ok"), (name, "torch-copy", 1024, "ok")])
+    argv = ["--shape", "grid", "--configs", str(small), "--only", "triton", "--tokens", "16,64,256,1024",
+            "--dry-run", "--resume", f"{first},{second}"]
+    assert run_bench_command(_parser().parse_args(argv)) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"resumed: 2 sizes measured already in {first}, {second}"
+    assert lines[2] == f"  {name} ({GRID[name].description}, {GRID[name].dtype}): 4 rows at tokens 64,256"
+
+
+def test_resume_refuses_a_part_of_other_positions_or_not_a_bench_json(tmp_path, capsys):
+    from interop.bench.shapes import GRID
+
+    part = _part(tmp_path, "part1", [(list(GRID)[0], "triton", 16, "ok")], positions="consecutive")
+    (tmp_path / "other.json").write_text("{}")
+    for path, message in [(part, f"--resume {part} has rows of consecutive positions, this run uniform positions"),
+                          (str(tmp_path / "other.json"),
+                           f"--resume {tmp_path / 'other.json'} is not a bench.json that fusedkv bench wrote")]:
+        args = _parser().parse_args(["--shape", "grid", "--configs", "0", "--dry-run", "--resume", path])
+        assert run_bench_command(args) == 2
+        assert capsys.readouterr().err == f"fusedkv bench: {message}\n"
+
+
 def test_from_json_refuses_paths_that_are_not_files(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         _parser().parse_args(["--from-json", str(tmp_path / "none.json")])

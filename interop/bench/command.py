@@ -188,6 +188,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="no run: the tables, plots and markdown of the rows of these bench.json files "
                              "together (comma-separated), such as the parts of a grid run; a later file's row "
                              "replaces an earlier one of the same shape, dtype, implementation and tokens")
+    parser.add_argument("--resume", type=_path_list, default=None, metavar="PATHS",
+                        help="skip every size (shape and token count) whose rows, each implementation this run "
+                             "would measure there, passed in one of these bench.json files (comma-separated, "
+                             "earlier parts of the same run: same positions); join the parts with --from-json")
     parser.add_argument("--quick", action="store_true",
                         help="four token counts and fewer samples per row (a few minutes for one shape)")
     parser.add_argument("--max-calls-per-jit", type=_positive_int, default=None, metavar="N",
@@ -329,6 +333,50 @@ def _grid_meta(shapes: list[BenchShape], tokens: list[int], dtype: str) -> dict:
     return dict(seed=GRID_SEED, configurations=[shape.name for shape in shapes], skipped=skipped)
 
 
+def resume_refusal(args: argparse.Namespace) -> str | None:
+    """Why the ``--resume`` files cannot be resumed from, or None: each must be a bench.json
+    of this run's positions (rows of other positions time other inputs)."""
+    from interop.bench.report import read_data
+
+    for path in args.resume or ():
+        try:
+            meta, _ = read_data(path)
+        except (ValueError, KeyError, TypeError):
+            return f"--resume {path} is not a bench.json that fusedkv bench wrote"
+        if meta.get("positions", "uniform") != args.positions:
+            return (f"--resume {path} has rows of {meta.get('positions')} positions, this run "
+                    f"{args.positions} positions")
+    return None
+
+
+def measured_sizes(paths: tuple[str, ...], tasks: list) -> set[tuple[str, int]]:
+    """The sizes ``(shape name, tokens)`` of ``tasks`` (:func:`~interop.bench.runner.plan`'s)
+    whose every row passed, timed, in one of the bench.json files at ``paths`` (``--resume``)."""
+    from interop.bench.report import read_data
+
+    passed = set()
+    for path in paths:
+        _, rows = read_data(path)
+        passed |= {(row.shape, row.tokens, row.implementation) for row in rows if row.ok and row.seconds is not None}
+    wanted: dict[tuple[str, int], list[str]] = {}
+    for shape, total_ctx, implementation in tasks:
+        wanted.setdefault((shape.name, total_ctx), []).append(implementation.name)
+    return {size for size, names in wanted.items() if all((*size, name) in passed for name in names)}
+
+
+def _sizes_left_out(args: argparse.Namespace, shapes: list, tokens: list[int], implementations: list) -> set:
+    """The sizes ``(shape name, tokens)`` this run does not measure: over the grid's memory
+    limit, or measured already (``--resume``, whose count it prints)."""
+    from interop.bench.runner import plan
+
+    left_out = {(shape.name, total_ctx) for shape, total_ctx in over_memory(shapes, tokens, args.dtype)}
+    if args.resume:
+        measured = measured_sizes(args.resume, plan(shapes, tokens, implementations)) - left_out
+        print(f"resumed: {len(measured)} sizes measured already in {', '.join(args.resume)}", flush=True)
+        left_out |= measured
+    return left_out
+
+
 def dry_run(args: argparse.Namespace) -> int:
     """``--dry-run``: the rows each shape would run, as though torch and jax both saw a GPU."""
     from interop.bench.runner import plan
@@ -336,7 +384,7 @@ def dry_run(args: argparse.Namespace) -> int:
     extra = sweep_rows(args)
     implementations, _ = select(words_to_run(args), {"torch": "", "jax": ""}, extra=extra)
     shapes, tokens = bench_shapes(args), token_counts(args)
-    left_out = {(shape.name, total_ctx) for shape, total_ctx in over_memory(shapes, tokens, args.dtype)}
+    left_out = _sizes_left_out(args, shapes, tokens, implementations)
     tasks = [task for task in plan(shapes, tokens, implementations) if (task[0].name, task[1]) not in left_out]
     print(f"fusedkv bench {'--shape grid ' if args.shape == 'grid' else ''}would run {len(tasks)} rows "
           f"({', '.join(i.name for i in implementations)}) at tokens {','.join(map(str, tokens))}:")
@@ -389,7 +437,7 @@ def from_json(args: argparse.Namespace) -> int:
 
 def run_bench_command(args: argparse.Namespace) -> int:
     """Run the bench with the options of :func:`add_bench_arguments`; returns the exit status."""
-    refusal = grid_refusal(args)
+    refusal = grid_refusal(args) or resume_refusal(args)
     if refusal is not None:
         print(f"fusedkv bench: {refusal}", file=sys.stderr)
         return 2
@@ -437,8 +485,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     meta["copy_ceiling"] = list(copy)
     measurements = _measure(shapes, implementations, meta, effort, out, copy,
                             framework="torch" if "torch" in found else "jax",
-                            skip={(shape.name, total_ctx) for shape, total_ctx in over_memory(
-                                shapes, meta["tokens"], args.dtype)})
+                            skip=_sizes_left_out(args, shapes, meta["tokens"], implementations))
     return _report(measurements, out, meta, copy, markdown=args.markdown)
 
 
