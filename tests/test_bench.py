@@ -1770,6 +1770,19 @@ def test_a_resumed_grid_run_skips_the_sizes_whose_every_row_passed_in_an_earlier
     assert lines[2] == f"  {name} ({GRID[name].description}, {GRID[name].dtype}): 4 rows at tokens 64,256"
 
 
+def test_resume_skips_no_size_measured_in_another_dtype(tmp_path, capsys):
+    rows = [Measurement("draft", "float16", implementation, "torch", kind, "device", 16, 1e-6, 10**6, check="ok")
+            for implementation, kind in (("triton", "kernel"), ("torch-copy", "copy"))]
+    write_data(annotate(rows), tmp_path / "part1", dict(command="part1", devices={}, versions={}, dtype="float16",
+                                                       positions="uniform", shapes=["draft"], copy_ceiling=[None, ""]))
+    argv = ["--only", "triton", "--tokens", "16", "--dry-run", "--resume", str(tmp_path / "part1" / "bench.json")]
+    for dtype, rows_left in (("float16", 0), ("bfloat16", 2)):
+        assert run_bench_command(_parser().parse_args([*argv, "--dtype", dtype])) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].startswith(f"resumed: {1 - rows_left // 2} sizes measured already")
+        assert lines[1].startswith(f"fusedkv bench would run {rows_left} rows")
+
+
 def test_resume_refuses_a_part_of_other_positions_or_not_a_bench_json(tmp_path, capsys):
     from interop.bench.shapes import GRID
 

@@ -349,19 +349,22 @@ def resume_refusal(args: argparse.Namespace) -> str | None:
     return None
 
 
-def measured_sizes(paths: tuple[str, ...], tasks: list) -> set[tuple[str, int]]:
-    """The sizes ``(shape name, tokens)`` of ``tasks`` (:func:`~interop.bench.runner.plan`'s)
-    whose every row passed, timed, in one of the bench.json files at ``paths`` (``--resume``)."""
+def measured_sizes(paths: tuple[str, ...], tasks: list, dtype: str) -> set[tuple[str, int]]:
+    """The sizes ``(shape name, tokens)`` of ``tasks`` (:func:`~interop.bench.runner.plan`'s,
+    in ``dtype`` where a shape has none of its own) whose every row passed, timed, in the
+    same dtype in one of the bench.json files at ``paths`` (``--resume``)."""
     from interop.bench.report import read_data
 
     passed = set()
     for path in paths:
         _, rows = read_data(path)
-        passed |= {(row.shape, row.tokens, row.implementation) for row in rows if row.ok and row.seconds is not None}
-    wanted: dict[tuple[str, int], list[str]] = {}
+        passed |= {(row.shape, row.dtype, row.tokens, row.implementation) for row in rows
+                   if row.ok and row.seconds is not None}
+    rows: dict[tuple[str, int], list[tuple]] = {}
     for shape, total_ctx, implementation in tasks:
-        wanted.setdefault((shape.name, total_ctx), []).append(implementation.name)
-    return {size for size, names in wanted.items() if all((*size, name) in passed for name in names)}
+        rows.setdefault((shape.name, total_ctx), []).append(
+            (shape.name, shape.dtype or dtype, total_ctx, implementation.name))
+    return {size for size, keys in rows.items() if all(key in passed for key in keys)}
 
 
 def _sizes_left_out(args: argparse.Namespace, shapes: list, tokens: list[int], implementations: list) -> set:
@@ -371,7 +374,7 @@ def _sizes_left_out(args: argparse.Namespace, shapes: list, tokens: list[int], i
 
     left_out = {(shape.name, total_ctx) for shape, total_ctx in over_memory(shapes, tokens, args.dtype)}
     if args.resume:
-        measured = measured_sizes(args.resume, plan(shapes, tokens, implementations)) - left_out
+        measured = measured_sizes(args.resume, plan(shapes, tokens, implementations), args.dtype) - left_out
         print(f"resumed: {len(measured)} sizes measured already in {', '.join(args.resume)}", flush=True)
         left_out |= measured
     return left_out
