@@ -21,11 +21,11 @@ Triton-specific here is :func:`_load`, :func:`_store` and :func:`_launch`'s
 
 ``lowering="mosaic_gpu"`` runs :mod:`fusedkv_jax.mosaic_kernel` (Mosaic GPU has no
 gather on Hopper: TMA copies with scalar starts fetch the cos/sin rows). It takes
-bf16/fp16 ``kv`` with ``head_dim`` a multiple of 32 whose ``neox`` rotary halves and
-tail, or ``gptj`` rotary pairs and tail pairs (moved as 32-bit words), are multiples of
-16 columns, and ``total_ctx`` at most 8 or a multiple of 8 (a multiple of 64 in
-interpret mode), with every option of the op (no K-norm, ``v_multiplier``,
-``layer_rope_table``); other calls with it are refused.
+bf16/fp16 ``kv`` with ``head_dim`` (at most 256) and ``rotary_dim`` multiples of 32 (a
+copy into shared memory moves a multiple of 128 bytes: a row of fp32 cos/sin or weight),
+and ``total_ctx`` at most 8 or a multiple of 8 (a multiple of 64 in interpret mode), with
+every option of the op (no K-norm, ``v_multiplier``, ``layer_rope_table``); other calls
+with it are refused.
 It is not the default because it is slower where it matters most: it passes
 the reference checks on the GPU, but timed in jit as a jit user runs it (``fusedkv
 bench``'s ``pallas-mosaic`` row, which checks that the compiled jit launches it once per

@@ -29,11 +29,9 @@ out; otherwise the tiles are plain (their register loads and stores have bank
 conflicts) and V moves in two column halves (see :func:`_one_head_kernel`).
 
 What it serves: ``kv`` in bf16/fp16, ``head_dim`` up to 256 (a TMA box side) and
-shared memory permitting, ``head_dim`` a multiple of 32 and every run of K's columns a
-multiple of 16 columns: ``neox``'s ``rotary_dim / 2`` and ``head_dim - rotary_dim``
-elements, ``gptj``'s rotary words and tail words (:func:`supports`);
+shared memory permitting, ``head_dim`` and ``rotary_dim`` multiples of 32 (:func:`supports`);
 ``total_ctx`` at most 8 or a multiple of 8 (:func:`supports_context`). The rest (fp32
-``kv``, narrower runs) is the Triton lowering's.
+``kv``, other dims) is the Triton lowering's.
 
 jax versions (as of jax 0.11.2): ``pl.pallas_call`` no longer
 lowers to Mosaic GPU there (its lowering rule is gone: a bare ``AssertionError``), so
@@ -74,11 +72,13 @@ _SHARED_BYTES = 200 * 1024  # of Hopper's 227 KiB per block, with room for the r
 _KV_DTYPES = (jnp.bfloat16, jnp.float16)
 # gptj rows move as words of two 16-bit elements, each word one rotary pair.
 _WORD = jnp.dtype(jnp.uint32)
-# Every run of K's columns is a multiple of 16 tile columns: 32 bytes of 16-bit elements
-# (the narrowest swizzle), 64 of words. A run of 8 words (a 32-byte swizzle of words, and
-# cos/sin halves of 8 fp32 columns) ends in CUDA_ERROR_MISALIGNED_ADDRESS on Hopper
-# (jax 0.11.2).
-_RUN_COLUMNS = 16
+# A copy into shared memory moves a multiple of 128 bytes, a share for each of the
+# warpgroup's threads: jax 0.10.2 refuses other copies when it lowers the kernel, and on
+# jax 0.11.2 a token's cos/sin row of 64 or 192 bytes ends in CUDA_ERROR_MISALIGNED_ADDRESS
+# on Hopper. So the fp32 rows of cos/sin (rotary_dim) and of the weight (head_dim) are
+# multiples of 32 values, which also makes every run of K's columns a multiple of 32
+# bytes, the narrowest swizzle.
+_COPY_BYTES = 128
 GRID_NAMES = ("block", "layer", "head")  # "head": a group of heads where a program loops over them
 # Programs of several heads loop over them only where they still give each multiprocessor this many.
 _PROGRAMS_PER_MULTIPROCESSOR = 2
@@ -90,9 +90,8 @@ def supports(config: FusedKVConfig, kv_dtype) -> bool:
     dtype = jnp.dtype(kv_dtype)
     if dtype not in [jnp.dtype(d) for d in _KV_DTYPES]:
         return False
-    return (config.head_dim <= _MAX_BOX and config.head_dim % 32 == 0
-            and _fits_shared_memory(config, dtype, kv_tiles=2)
-            and all(width % _RUN_COLUMNS == 0 for width in _column_runs(config)))
+    return (config.head_dim <= _MAX_BOX and _fits_shared_memory(config, dtype, kv_tiles=2)
+            and all(dims * 4 % _COPY_BYTES == 0 for dims in (config.head_dim, config.rotary_dim)))
 
 
 def _column_runs(config: FusedKVConfig) -> tuple:
@@ -136,8 +135,7 @@ def refused_config(config: FusedKVConfig, kv_dtype) -> str | None:
         return None
     return (f"got 'mosaic_gpu' for rope_style={config.rope_style!r}, head_dim={config.head_dim}, "
             f"rotary_dim={config.rotary_dim}, dtype={jnp.dtype(kv_dtype).name}, expected 'triton' (Mosaic GPU "
-            "takes bf16/fp16 with head_dim <= 256 and a multiple of 32 whose neox rotary halves and tail, or gptj "
-            "rotary pairs and tail pairs as 32-bit words, are multiples of 16 columns)")
+            "takes bf16/fp16 with head_dim <= 256, and head_dim and rotary_dim multiples of 32)")
 
 
 def refused_context(total_ctx: int, *, interpret: bool) -> str | None:

@@ -856,14 +856,14 @@ def test_mosaic_programs_take_the_most_heads_that_leave_each_multiprocessor_two_
 @pytest.mark.parametrize("head_dim, rotary_dim, dtype, taken", [
     (128, 128, jnp.bfloat16, True), (64, 32, jnp.float16, True), (192, 192, jnp.bfloat16, True),
     (96, 32, jnp.float16, True),  # 16 words rotated, 32 past them
-    (96, 48, jnp.bfloat16, False),  # 24 words rotated: runs of 8 words fail to run on Hopper
-    (64, 16, jnp.bfloat16, False),  # 8 words rotated
-    (96, 24, jnp.bfloat16, False),  # 12 words rotated
-    (80, 80, jnp.bfloat16, False),  # head_dim not a multiple of 32
+    (96, 48, jnp.bfloat16, False),  # a token's cos/sin row of 192 bytes, not a multiple of 128
+    (64, 16, jnp.bfloat16, False),  # a row of 64 bytes
+    (96, 24, jnp.bfloat16, False),
+    (80, 80, jnp.bfloat16, False),  # the weight's row of 320 bytes
     (128, 32, jnp.float32, False),  # fp32 kv stays on the Triton lowering
     (256, 256, jnp.float16, True),
 ])
-def test_mosaic_takes_gptj_where_every_run_of_words_is_16_words(head_dim, rotary_dim, dtype, taken):
+def test_mosaic_takes_gptj_where_head_dim_and_rotary_dim_are_multiples_of_32(head_dim, rotary_dim, dtype, taken):
     from fusedkv_jax import mosaic_kernel
 
     assert mosaic_kernel.supports(FusedKVConfig(4, head_dim, rotary_dim, "gptj"), dtype) == taken
@@ -942,18 +942,15 @@ BAD_LOWERINGS = [
     (dict(lowering="mosaic_gpu", rope_style="gptj", rotary_dim=8),
      "Invalid lowering for fused KV materialization: got 'mosaic_gpu' for rope_style='gptj', "
      "head_dim=32, rotary_dim=8, dtype=bfloat16, expected 'triton' (Mosaic GPU takes bf16/fp16 with "
-     "head_dim <= 256 and a multiple of 32 whose neox rotary halves and tail, or gptj rotary pairs and tail "
-     "pairs as 32-bit words, are multiples of 16 columns)."),
+     "head_dim <= 256, and head_dim and rotary_dim multiples of 32)."),
     (dict(lowering="mosaic_gpu", rotary_dim=16),
      "Invalid lowering for fused KV materialization: got 'mosaic_gpu' for rope_style='neox', "
      "head_dim=32, rotary_dim=16, dtype=bfloat16, expected 'triton' (Mosaic GPU takes bf16/fp16 with "
-     "head_dim <= 256 and a multiple of 32 whose neox rotary halves and tail, or gptj rotary pairs and tail "
-     "pairs as 32-bit words, are multiples of 16 columns)."),
+     "head_dim <= 256, and head_dim and rotary_dim multiples of 32)."),
     (dict(lowering="mosaic_gpu", dtype="float32"),
      "Invalid lowering for fused KV materialization: got 'mosaic_gpu' for rope_style='neox', "
      "head_dim=32, rotary_dim=32, dtype=float32, expected 'triton' (Mosaic GPU takes bf16/fp16 with "
-     "head_dim <= 256 and a multiple of 32 whose neox rotary halves and tail, or gptj rotary pairs and tail "
-     "pairs as 32-bit words, are multiples of 16 columns)."),
+     "head_dim <= 256, and head_dim and rotary_dim multiples of 32)."),
     (dict(lowering="mosaic_gpu", block_tokens=4),
      "Invalid tile override for fused KV materialization: got block_tokens/block_heads/num_warps "
      "with lowering='mosaic_gpu', expected them only with the Triton lowering."),
