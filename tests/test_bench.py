@@ -41,7 +41,7 @@ ONCE = Effort(graph_ms=1, jax_repeats=1, jax_batch_seconds=0.001, host_calls=3, 
               max_calls_per_jit=8)
 TINY = BenchShape("tiny", FusedKVConfig(num_kv_heads=2, head_dim=32, rotary_dim=16), 2, "2 layers, 2 heads",
                   hidden=64)
-# The smallest shape the Mosaic GPU lowering takes: rotary halves of 16 bf16 columns (32 bytes).
+# The smallest shape the Mosaic GPU lowering takes: head_dim and rotary_dim 32.
 MOSAIC_TINY = BenchShape("mosaic-tiny", FusedKVConfig(num_kv_heads=2, head_dim=32, rotary_dim=32), 1,
                          "1 layer, 2 heads", hidden=64)
 
