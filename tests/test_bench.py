@@ -1770,6 +1770,23 @@ def test_a_resumed_grid_run_skips_the_sizes_whose_every_row_passed_in_an_earlier
     assert lines[2] == f"  {name} ({GRID[name].description}, {GRID[name].dtype}): 4 rows at tokens 64,256"
 
 
+def test_a_resumed_run_measures_only_the_sizes_the_earlier_part_did_not(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from interop.bench import command
+    from interop.bench.shapes import GRID
+
+    monkeypatch.setattr(command, "gpu_frameworks", lambda: ({"jax": "stand-in"}, ["torch sees no CUDA device"]))
+    shapes = list(GRID.values())
+    number = min(range(len(shapes)), key=lambda i: shapes[i].op_bytes(2, "float32"))  # interpreted here
+    argv = ["--shape", "grid", "--configs", str(number), "--only", "pallas", "--max-calls-per-jit", "8"]
+    assert run_bench_command(_parser().parse_args([*argv, "--tokens", "2", "--out", str(tmp_path / "part1")])) == 0
+    resumed = ["--tokens", "2,3", "--out", str(tmp_path / "part2"), "--resume", str(tmp_path / "part1" / "bench.json")]
+    assert run_bench_command(_parser().parse_args([*argv, *resumed])) == 0
+    assert f"resumed: 1 sizes measured already in {tmp_path / 'part1' / 'bench.json'}" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "part2" / "bench.json").read_text())["rows"]
+    assert sorted((row["implementation"], row["tokens"]) for row in rows) == [("pallas", 3), ("xla-copy", 3)]
+
+
 def test_resume_skips_no_size_measured_in_another_dtype(tmp_path, capsys):
     rows = [Measurement("draft", "float16", implementation, "torch", kind, "device", 16, 1e-6, 10**6, check="ok")
             for implementation, kind in (("triton", "kernel"), ("torch-copy", "copy"))]
