@@ -25,8 +25,7 @@ bf16/fp16 ``kv`` with ``head_dim`` (at most 256) and ``rotary_dim`` multiples of
 copy into shared memory moves a multiple of 128 bytes: a row of fp32 cos/sin or weight),
 and ``total_ctx`` at most 8 or a multiple of 8 (a multiple of 64 in interpret mode), with
 every option of the op (no K-norm, ``v_multiplier``, ``layer_rope_table``); other calls
-with it are refused.
-It is not the default because it is slower where it matters most: it passes
+with it are refused. It is not the default because it is slower where it matters most: it passes
 the reference checks on the GPU, but timed in jit as a jit user runs it (``fusedkv
 bench``'s ``pallas-mosaic`` row, which checks that the compiled jit launches it once per
 call) it matches the Triton lowering only at long contexts with many heads a program,

@@ -22,16 +22,16 @@ each part is copied out from its own shared-memory tile. ``gptj``'s interleaved 
 are no column slice of that layout, but each pair of 16-bit elements is one 32-bit
 word: the kernel moves ``kv`` and the outputs as words (free views of the same bytes)
 and splits each word into the pair's two members in registers, after which the
-rotation is ``neox``'s on the words' columns (:func:`_to_fp32`, :func:`_from_fp32`). With ``total_ctx`` a multiple
-of 8 the tiles are swizzled and every copy is a tiled TMA copy, which fills the rows
-past ``total_ctx`` of the last block with zeros on the way in and clips them on the way
-out; otherwise the tiles are plain (their register loads and stores have bank
-conflicts) and V moves in two column halves (see :func:`_one_head_kernel`).
+rotation is ``neox``'s on the words' columns (:func:`_to_fp32`, :func:`_from_fp32`).
+With ``total_ctx`` a multiple of 8 the tiles are swizzled and every copy is a tiled TMA
+copy, which fills the rows past ``total_ctx`` of the last block with zeros on the way in
+and clips them on the way out; otherwise the tiles are plain (their register loads and
+stores have bank conflicts) and V moves in two column halves (see :func:`_one_head_kernel`).
 
 What it serves: ``kv`` in bf16/fp16, ``head_dim`` up to 256 (a TMA box side) and
-shared memory permitting, ``head_dim`` and ``rotary_dim`` multiples of 32 (:func:`supports`);
-``total_ctx`` at most 8 or a multiple of 8 (:func:`supports_context`). The rest (fp32
-``kv``, other dims) is the Triton lowering's.
+shared memory permitting, ``head_dim`` and ``rotary_dim`` multiples of 32
+(:func:`supports`); ``total_ctx`` at most 8 or a multiple of 8
+(:func:`supports_context`). The rest (fp32 ``kv``, other dims) is the Triton lowering's.
 
 jax versions (as of jax 0.11.2): ``pl.pallas_call`` no longer
 lowers to Mosaic GPU there (its lowering rule is gone: a bare ``AssertionError``), so
@@ -94,16 +94,6 @@ def supports(config: FusedKVConfig, kv_dtype) -> bool:
             and all(dims * 4 % _COPY_BYTES == 0 for dims in (config.head_dim, config.rotary_dim)))
 
 
-def _column_runs(config: FusedKVConfig) -> tuple:
-    """The widths of the column runs K's parts go out in, in the tiles' columns (elements;
-    words of two for ``gptj``): ``neox``'s two rotary halves and tail, ``gptj``'s rotary
-    pairs and the tail's (an empty run is none)."""
-    dim, rotary_dim = config.head_dim, config.rotary_dim
-    if config.rope_style == "gptj":
-        return rotary_dim // 2, (dim - rotary_dim) // 2
-    return rotary_dim // 2, rotary_dim // 2, dim - rotary_dim
-
-
 def tile_columns(config: FusedKVConfig, kv_dtype) -> tuple:
     """``(columns, dtype)`` of a K or V tile's rows: ``head_dim`` elements of ``kv_dtype``,
     or for ``gptj`` ``head_dim / 2`` words."""
@@ -114,9 +104,12 @@ def tile_columns(config: FusedKVConfig, kv_dtype) -> tuple:
 
 def part_tiles(config: FusedKVConfig, kv_dtype, *, tiled: bool) -> list:
     """The shared-memory tiles K's parts go out through (:func:`_tiles_out`), side by side
-    in a row."""
+    in a row, in the tiles' columns (elements; words of two for ``gptj``): ``neox``'s two
+    rotary halves and tail, ``gptj``'s rotary pairs and the tail's (none for an empty run)."""
     _, dtype = tile_columns(config, kv_dtype)
-    runs = _column_runs(config)
+    dim, rotary_dim = config.head_dim, config.rotary_dim
+    runs = ((rotary_dim // 2, (dim - rotary_dim) // 2) if config.rope_style == "gptj"
+            else (rotary_dim // 2, rotary_dim // 2, dim - rotary_dim))
     return [_tile((BLOCK_TOKENS, width), dtype, tiled=tiled, start=sum(runs[:index]))
             for index, width in enumerate(runs) if width]
 
