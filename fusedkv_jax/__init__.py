@@ -1,6 +1,6 @@
 """fusedkv for JAX: the Pallas GPU kernel, its jit-native wrapper, the materializer."""
 
-from fusedkv_jax.kernel import (
+from fusedkv_jax.ops import (
     fused_kv_norm_rope,
     fused_kv_norm_rope_into_cache,
     fused_kv_norm_rope_accepted,

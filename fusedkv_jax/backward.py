@@ -45,7 +45,6 @@ from fusedkv_jax.kernel import (
     _rope_of_layers,
     _store,
     _varying_axes,
-    refusing_derivatives,
 )
 from interop.core.spec import FusedKVConfig
 
@@ -199,6 +198,23 @@ def _cotangents(first_order_backward, static: dict, residuals, cotangents) -> tu
 
 
 _differentiable_launch.defvjp(_forward, _backward)
+
+
+def refusing_derivatives(function, names: tuple, got: str, expected: str):
+    """``function(static, *arrays)`` behind a ``jax.custom_jvp`` whose derivative raises the
+    project's ``TypeError``, naming the first of ``names`` that is differentiated, instead of
+    letting jax differentiate what it cannot and fail inside; jitted, as
+    this module's launches are, so an eager call traces it once per shape."""
+    wrapped = jax.custom_jvp(function, nondiff_argnums=(0,))
+
+    def refuse(static, primals, tangents):
+        name = next(name for name, tangent in zip(names, tangents)
+                    if not isinstance(tangent, jax.custom_derivatives.SymbolicZero))
+        raise TypeError(f"Invalid {name} for fused KV materialization: got {got}, expected {expected}.")
+
+    wrapped.defjvp(refuse, symbolic_zeros=True)
+    return jax.jit(wrapped, static_argnums=0)
+
 
 def _first_order(backward_kernel):
     """``backward_kernel(*arrays, **static)`` as ``function(static, *arrays)``, which a second

@@ -22,7 +22,8 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from fusedkv_jax.kernel import devices_of, on_cpu, fused_kv_norm_rope, fused_kv_norm_rope_into_cache
+from fusedkv_jax.devices import devices_of, on_cpu
+from fusedkv_jax.ops import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_jax.indices import narrow_for_jax
 from interop.core.checkpoint import read_checkpoint_layers
 from interop.core.materializer import (FP8_E4M3_MAX, MIN_ACTIVATION_AMAX, LayerKV, MaterializerConfig,

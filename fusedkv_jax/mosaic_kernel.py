@@ -2,7 +2,7 @@
 
 The math is :mod:`fusedkv_jax.kernel`'s (CONTRACT.md, Math); this module holds the
 kernel and its launcher only (validation stays in :mod:`interop.core.spec`, the public
-function and the choice of lowering in :mod:`fusedkv_jax.kernel`).
+function and the choice of lowering in :mod:`fusedkv_jax.ops`).
 
 One program per (block of 64 tokens, layer, head); or, where fewer programs still fill
 the GPU (:func:`heads_per_program`), one per (block, layer, group of heads) that loops

@@ -645,7 +645,7 @@ def test_the_floor_takes_the_kernels_tile_of_the_same_rope_style(config, monkeyp
 
     monkeypatch.setattr(devices, "multiprocessors", lambda: 132)  # the tiles of an H200
     taken = []
-    monkeypatch.setattr(pallas_kernel, "on_cpu", lambda kv: False)  # the GPU's tile, traced only
+    monkeypatch.setattr(devices, "on_cpu", lambda kv: False)  # the GPU's tile, traced only
     monkeypatch.setattr(floors.pl, "pallas_call", lambda kernel, **options: taken.append(options) or (
         lambda *args: [jax.ShapeDtypeStruct(args[3].shape, args[3].dtype)] * 2))
     kv = jax.ShapeDtypeStruct((4096, 5, 2 * config.num_kv_heads * config.head_dim), jax.numpy.bfloat16)

@@ -19,7 +19,7 @@ import pytest
 from fusedkv_jax import fused_kv_norm_rope, fused_kv_norm_rope_into_cache
 from fusedkv_jax import devices
 from fusedkv_jax import kernel as jax_kernel
-from fusedkv_jax.kernel import default_lowering
+from fusedkv_jax.ops import default_lowering
 from interop.core.arrays import numpy_dtype
 from interop.core.reference import (fused_kv_norm_rope_into_cache_reference, fused_kv_norm_rope_reference,
                                     rope_cos_sin_cache)

@@ -79,7 +79,7 @@ def pallas_backward(workload: Workload, *, lowering: str = "triton", kernel_targ
     takes, or the Mosaic GPU one (``"mosaic_gpu"``)."""
     import jax.numpy as jnp
 
-    from fusedkv_jax import backward, kernel, mosaic_backward
+    from fusedkv_jax import backward, mosaic_backward, ops
 
     static = workload.shape.static()
     sets = workload.sets(backward_bytes(workload))
@@ -87,7 +87,7 @@ def pallas_backward(workload: Workload, *, lowering: str = "triton", kernel_targ
     varying = [(*workload.varying(i, "jax"), *output_grads(workload, i, "jax")) for i in range(sets)]
     kv = varying[0][0]
     call = CallShape(workload.shape.config, workload.total_ctx, workload.shape.n_layers, int(fixed[2].shape[0]))
-    options = kernel._launch_options(call, kv, None, None, None, None)
+    options = ops._launch_options(call, kv, None, None, None, None)
     interpret = options["interpret"]
     if lowering == "mosaic_gpu":
         launch = functools.partial(mosaic_backward.backward, config=options["config"], interpret=interpret)

@@ -73,10 +73,11 @@ def copy(kv, cos_sin_cache, positions, k_dest, v_dest, *, num_kv_heads: int, hea
     of ``kv`` as ``[n_layers, total_ctx, num_kv_heads, head_dim]``, in the production
     kernel's default tile and grid, its programs taking every layer where the kernel's
     do (interpreted where ``kv`` is on the CPU, as the kernel is)."""
+    from fusedkv_jax import devices
     from fusedkv_jax import kernel as pallas_kernel
 
     total_ctx, n_layers, _ = kv.shape
-    interpret = pallas_kernel.on_cpu(kv)
+    interpret = devices.on_cpu(kv)
     block_tokens, block_heads, num_warps = pallas_kernel.default_tile(
         total_ctx, n_layers, num_kv_heads, head_dim, rotary_dim=rotary_dim, rope_style=rope_style,
         itemsize=kv.dtype.itemsize, interpret=interpret)

@@ -278,9 +278,9 @@ def _torch_compile_train(workload: Workload) -> Calls:
 
 def _pallas_train(workload: Workload) -> Steps:
     """The Pallas kernel's forward and backward, each one custom call a call (interpreted: XLA's work)."""
-    from fusedkv_jax import fused_kv_norm_rope, kernel
+    from fusedkv_jax import devices, fused_kv_norm_rope
 
-    interpret = kernel.on_cpu(workload.varying(0, "jax")[0])
+    interpret = devices.on_cpu(workload.varying(0, "jax")[0])
     return training.jax_training(
         workload, functools.partial(fused_kv_norm_rope, **workload.shape.static(), lowering="triton"),
         kernel_target=None if interpret else backward.PALLAS_TRITON_TARGET)
