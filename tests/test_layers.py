@@ -84,7 +84,8 @@ def test_no_module_level_import_circle():
                 if isinstance(node, ast.Import):
                     names.update(alias.name for alias in node.names)
                 elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    names.add(node.module)
+                    # `from package import module` imports the module: its name resolves to it.
+                    names.update(f"{node.module}.{alias.name}" for alias in node.names)
             graph[_module_name(path)] = {n for n in names if n.split(".")[0] in PROJECT}
     modules = set(graph)
 
