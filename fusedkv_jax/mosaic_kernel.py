@@ -79,6 +79,7 @@ _WORD = jnp.dtype(jnp.uint32)
 # multiples of 32 values, which also makes every run of K's columns a multiple of 32
 # bytes, the narrowest swizzle.
 _COPY_BYTES = 128
+_FP32_BYTES = jnp.dtype(jnp.float32).itemsize
 GRID_NAMES = ("block", "layer", "head")  # "head": a group of heads where a program loops over them
 # Programs of several heads loop over them only where they still give each multiprocessor this many.
 _PROGRAMS_PER_MULTIPROCESSOR = 2
@@ -91,7 +92,7 @@ def supports(config: FusedKVConfig, kv_dtype) -> bool:
     if dtype not in [jnp.dtype(d) for d in _KV_DTYPES]:
         return False
     return (config.head_dim <= _MAX_BOX and _fits_shared_memory(config, dtype, kv_tiles=2)
-            and all(dims * 4 % _COPY_BYTES == 0 for dims in (config.head_dim, config.rotary_dim)))
+            and all(dims * _FP32_BYTES % _COPY_BYTES == 0 for dims in (config.head_dim, config.rotary_dim)))
 
 
 def tile_columns(config: FusedKVConfig, kv_dtype) -> tuple:

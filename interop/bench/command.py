@@ -360,11 +360,11 @@ def measured_sizes(paths: tuple[str, ...], tasks: list, dtype: str) -> set[tuple
         _, rows = read_data(path)
         passed |= {(row.shape, row.dtype, row.tokens, row.implementation) for row in rows
                    if row.ok and row.seconds is not None}
-    rows: dict[tuple[str, int], list[tuple]] = {}
+    wanted: dict[tuple[str, int], list[tuple]] = {}  # a size's rows, as keys of passed
     for shape, total_ctx, implementation in tasks:
-        rows.setdefault((shape.name, total_ctx), []).append(
+        wanted.setdefault((shape.name, total_ctx), []).append(
             (shape.name, shape.dtype or dtype, total_ctx, implementation.name))
-    return {size for size, keys in rows.items() if all(key in passed for key in keys)}
+    return {size for size, keys in wanted.items() if all(key in passed for key in keys)}
 
 
 def _sizes_left_out(args: argparse.Namespace, shapes: list, tokens: list[int], implementations: list) -> set:
