@@ -116,7 +116,7 @@ def test_the_gradients_count_in_the_host_memory_of_a_check(capsys, monkeypatch):
 @pytest.mark.skipif(not ON_CPU, reason="the interpret-mode estimate applies without a GPU")
 @pytest.mark.parametrize("argv, option, unit", [
     (["--tokens", "1000000"], "--tokens", "hours"),
-    (["--tokens", "1", "--layers", "30000", "--heads", "1", "--head-dim", "16"], "--layers", "minutes"),
+    (["--tokens", "1", "--layers", "50000", "--heads", "1", "--head-dim", "16"], "--layers", "minutes"),
 ])
 def test_interpret_mode_refuses_a_check_that_would_take_too_long(argv, option, unit, capsys, monkeypatch):
     monkeypatch.setattr(cli, "_physical_memory", lambda: 2**60)  # past the memory check
