@@ -141,13 +141,14 @@ def refused_context(total_ctx: int, *, interpret: bool) -> str | None:
     return f"got {total_ctx}, expected {expected}"
 
 
-def heads_per_program(config: FusedKVConfig, total_ctx: int, n_layers: int, kv_dtype) -> int:
+def heads_per_program(config: FusedKVConfig, total_ctx: int, n_layers: int, kv_dtype, *, head_tiles: int = 2) -> int:
     """The heads a program takes (:func:`_heads_looped_kernel` where more than one): the
     most that divide the heads and still leave every multiprocessor two programs. A
     program of several heads fetches the block's cos/sin rows once for all of them and
-    keeps the next head's K and V in flight; it needs tiled copies and room for two K and
-    two V tiles beside the K parts and the rows (one head a program otherwise)."""
-    if total_ctx % 8 or not _fits_shared_memory(config, kv_dtype, kv_tiles=4):
+    keeps the next head's tiles in flight; it needs tiled copies and room for two of each
+    of the ``head_tiles`` tiles a head reads (K and V; the backward's more) beside the K
+    parts and the rows (one head a program otherwise)."""
+    if total_ctx % 8 or not _fits_shared_memory(config, kv_dtype, kv_tiles=2 * head_tiles):
         return 1
     heads = config.num_kv_heads
     block_layers = pl.cdiv(total_ctx, BLOCK_TOKENS) * n_layers
@@ -157,8 +158,9 @@ def heads_per_program(config: FusedKVConfig, total_ctx: int, n_layers: int, kv_d
 
 
 def _fits_shared_memory(config: FusedKVConfig, kv_dtype, *, kv_tiles: int) -> bool:
-    """Whether a program's tiles fit: ``kv_tiles`` K and V tiles (one of each, or two of
-    each double-buffered) and the K parts out, in kv's dtype; the cos/sin rows in fp32."""
+    """Whether a program's tiles fit: ``kv_tiles`` tiles a head reads (K and V, or the
+    backward's; double-buffered: two of each) and the K parts out, in kv's dtype; the
+    cos/sin rows in fp32."""
     tile_bytes = BLOCK_TOKENS * config.head_dim * jnp.dtype(kv_dtype).itemsize
     return (kv_tiles + 1) * tile_bytes + BLOCK_TOKENS * 4 * config.rotary_dim <= _SHARED_BYTES
 
@@ -232,28 +234,45 @@ def _one_head_kernel(
 
 
 def _heads_looped_kernel(
-    refs: _Refs, *, k_tiles, v_tiles, out_tiles, positions_tile, cos_sin_tile,
-    loaded, fixed_loaded, rows_loaded, run_loaded, weight_tile=None,
-    head_dim: int, rotary_dim: int, tokens_per_block: int, heads: int, kv_dtype, interpret: bool,
+    refs: _Refs, *, k_tiles, v_tiles, out_tiles, heads: int, head_dim: int, rotary_dim: int, kv_dtype, interpret: bool,
+    **frame,
 ):
     """``heads`` heads of one layer for ``BLOCK_TOKENS`` tokens, from head ``group * heads``:
-    the grid point ``(block, layer, group)``. The block's positions, cos/sin rows and the
-    layer's weight are fetched once, and the K and V tiles are double-buffered
-    (``k_tiles``/``v_tiles[2, BLOCK_TOKENS, head_dim]``, ``loaded[2]``): the next head's
-    arrive while a head is computed and stored."""
+    the grid point ``(block, layer, group)``, in :func:`loop_over_heads`' frame, with K and
+    V double-buffered (``k_tiles``/``v_tiles[2, BLOCK_TOKENS, head_dim]``)."""
     block, layer, group = (jax.lax.axis_index(name) for name in GRID_NAMES)
     tokens = pl.ds(block * BLOCK_TOKENS, BLOCK_TOKENS)
     first_head = group * heads
 
-    def fetch_head(head, slot):
+    def fetch_head(head, slot, loaded):
         for part, tiles in enumerate((k_tiles, v_tiles)):
-            plgpu.copy_gmem_to_smem(refs.kv.at[tokens, layer, part, first_head + head], tiles.at[slot],
-                                    loaded.at[slot])
+            plgpu.copy_gmem_to_smem(refs.kv.at[tokens, layer, part, first_head + head], tiles.at[slot], loaded)
 
+    def compute_head(head, slot, weight, cos_sin, terms):
+        _store_v(refs, [v_tiles.at[slot]], layer, [(tokens, first_head + head)], kv_dtype, interpret)
+        normed = _normalized(_to_fp32(_load(k_tiles.at[slot], plgpu.Layout.WGMMA, interpret), kv_dtype), weight,
+                             terms, head_dim)
+        _store_k(_rotated(normed, cos_sin, rotary_dim), out_tiles, refs.k_out, (layer, tokens, first_head + head),
+                 kv_dtype)
+
+    loop_over_heads(refs, layer, tokens, fetch_head, compute_head, heads=heads, interpret=interpret, **frame)
+
+
+def loop_over_heads(refs, layer, tokens, fetch_head, compute_head, *, heads: int, positions_tile, cos_sin_tile,
+                    loaded, fixed_loaded, rows_loaded, run_loaded, tokens_per_block: int, interpret: bool,
+                    weight_tile=None):
+    """The frame of a program of ``heads`` heads of one ``layer`` for a block's ``tokens``
+    (the grid point ``(block, layer, group)``): the block's positions and cos/sin rows and
+    the layer's weight fetched once, and each head's tiles double-buffered, the next
+    head's arriving while a head is computed and stored. ``fetch_head(head, slot,
+    barrier)`` copies the tiles of the group's ``head`` into ``slot`` (0 or 1) on
+    ``barrier``; ``compute_head(head, slot, weight, cos_sin, terms)`` computes and stores
+    it from them, given the weight row and cos/sin rows in registers (the weight None
+    without a K-norm) and the rows' terms (:func:`_fetch_cos_sin_rows`)."""
     plgpu.copy_gmem_to_smem(refs.positions.at[tokens], positions_tile, fixed_loaded)
     if weight_tile is not None:
         plgpu.copy_gmem_to_smem(refs.weight.at[layer], weight_tile, fixed_loaded)
-    fetch_head(0, 0)
+    fetch_head(0, 0, loaded.at[0])
     plgpu.barrier_wait(fixed_loaded)
     run, terms = _fetch_cos_sin_rows(refs, layer, positions_tile, cos_sin_tile, rows_loaded, run_loaded,
                                      tokens_per_block, interpret)
@@ -264,19 +283,16 @@ def _heads_looped_kernel(
     @pl.loop(0, heads)
     def _head(head):
         slot = jax.lax.rem(head, 2)
-        # The other slot and the K part tiles are free once the head before's stores have read them.
+        # The other slot and the tiles out are free once the head before's stores have read them.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         @pl.when(head + 1 < heads)
         def _fetch_next():
-            fetch_head(head + 1, 1 - slot)
+            next_head, next_slot = head + 1, 1 - slot
+            fetch_head(next_head, next_slot, loaded.at[next_slot])
 
         plgpu.barrier_wait(loaded.at[slot])
-        _store_v(refs, [v_tiles.at[slot]], layer, [(tokens, first_head + head)], kv_dtype, interpret)
-        normed = _normalized(_to_fp32(_load(k_tiles.at[slot], plgpu.Layout.WGMMA, interpret), kv_dtype), weight,
-                             terms, head_dim)
-        _store_k(_rotated(normed, cos_sin, rotary_dim), out_tiles, refs.k_out, (layer, tokens, first_head + head),
-                 kv_dtype)
+        compute_head(head, slot, weight, cos_sin, terms)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
