@@ -9,7 +9,10 @@ The math is :mod:`fusedkv_jax.backward`'s (CONTRACT.md, Gradients); per token ``
     grad_v = g_v (times v_multiplier[l]);  grad_v_multiplier[l] += sum(v * g_v)
 
 The plan is the forward's (:mod:`fusedkv_jax.mosaic_kernel`): one program per (block of
-64 tokens, layer, head), tiles in shared memory filled and emptied by TMA copies, the
+64 tokens, layer, head), or, where :func:`~fusedkv_jax.mosaic_kernel.heads_per_program`
+gives several heads a program with room for two of each tile a head reads (K, the
+gradients of K and V, and V with a multiplier), one per (block, layer, group of heads)
+that loops over its heads; tiles in shared memory filled and emptied by TMA copies, the
 block's cos/sin rows fetched by the forward's own fetch, each row in the WGMMA register
 layout so that its reductions are row reductions, ``neox`` halves and ``gptj`` pairs (as
 32-bit words) the forward's pieces. Each program writes the column sums of its rows'
@@ -39,12 +42,15 @@ from fusedkv_jax.mosaic_kernel import (
     _from_fp32,
     _interpret_params,
     _load,
+    _load_weight,
     _pieces,
     _tile,
     _tiles_out,
     _to_fp32,
     _wait_cos_sin_rows,
+    heads_per_program,
     kernel_operands,
+    loop_over_heads,
     part_tiles,
     by_row,
     inverse_rms,
@@ -90,41 +96,96 @@ class _GradRefs(NamedTuple):
     multiplier_sums: Any = None
 
 
-def _backward_block(refs: _GradRefs, *, k_tile, grad_k_tile, grad_v_tile, grad_tiles, positions_tile, cos_sin_tile,
-                    loaded, positions_loaded, rows_loaded, run_loaded, v_tile=None, weight_tile=None,
-                    weight_sum_tiles=(), multiplier_sum_tile=None, weight_starts=(), head_dim: int,
-                    rotary_dim: int, tokens_per_block: int, total_ctx: int, kv_dtype, interpret: bool):
+def _one_head_backward(refs: _GradRefs, *, k_tile, grad_k_tile, grad_v_tile, positions_tile, cos_sin_tile, loaded,
+                       positions_loaded, rows_loaded, run_loaded, tokens_per_block: int, total_ctx: int,
+                       interpret: bool, v_tile=None, weight_tile=None, **head):
     """The gradients of one head for one layer and ``BLOCK_TOKENS`` tokens: the grid point
-    ``(block, layer, head)``; the shared-memory tiles and barriers come by name."""
-    block, layer, head = (jax.lax.axis_index(name) for name in GRID_NAMES)
+    ``(block, layer, head)``; the shared-memory tiles and barriers come by name, those
+    every head uses alike in ``head`` (:func:`_head_grads`)."""
+    block, layer, index_head = (jax.lax.axis_index(name) for name in GRID_NAMES)
     tokens = pl.ds(block * BLOCK_TOKENS, BLOCK_TOKENS)
 
     plgpu.copy_gmem_to_smem(refs.positions.at[tokens], positions_tile, positions_loaded)
-    plgpu.copy_gmem_to_smem(refs.kv.at[tokens, layer, 0, head], k_tile, loaded)
-    plgpu.copy_gmem_to_smem(refs.grad_k.at[layer, tokens, head], grad_k_tile, loaded)
-    plgpu.copy_gmem_to_smem(refs.grad_v.at[layer, tokens, head], grad_v_tile, loaded)
+    plgpu.copy_gmem_to_smem(refs.kv.at[tokens, layer, 0, index_head], k_tile, loaded)
+    plgpu.copy_gmem_to_smem(refs.grad_k.at[layer, tokens, index_head], grad_k_tile, loaded)
+    plgpu.copy_gmem_to_smem(refs.grad_v.at[layer, tokens, index_head], grad_v_tile, loaded)
     if v_tile is not None:
-        plgpu.copy_gmem_to_smem(refs.kv.at[tokens, layer, 1, head], v_tile, loaded)
+        plgpu.copy_gmem_to_smem(refs.kv.at[tokens, layer, 1, index_head], v_tile, loaded)
     if weight_tile is not None:
         plgpu.copy_gmem_to_smem(refs.weight.at[layer], weight_tile, loaded)
     plgpu.barrier_wait(positions_loaded)
     run, terms = _fetch_cos_sin_rows(refs, layer, positions_tile, cos_sin_tile, rows_loaded, run_loaded,
                                      tokens_per_block, interpret)
-    # Rows past the context (a last block's) add nothing to the sums.
-    counted = block * BLOCK_TOKENS + row_offsets(interpret) < total_ctx
+
+    counted = _counted_rows(block, total_ctx, interpret)
+
+    def cos_sin():
+        _wait_cos_sin_rows(run, rows_loaded, run_loaded)
+        return _load(cos_sin_tile, plgpu.Layout.WGMMA, interpret)
 
     plgpu.barrier_wait(loaded)
-    _store_grad_v(refs, grad_v_tile, v_tile, multiplier_sum_tile, (block, layer, head), counted, kv_dtype,
-                  interpret)
+    _head_grads(refs, (block, layer, index_head), k_tile=k_tile, grad_k_tile=grad_k_tile, grad_v_tile=grad_v_tile,
+                v_tile=v_tile, weight=lambda: _load_weight(weight_tile, interpret), cos_sin=cos_sin, terms=terms,
+                counted=counted, interpret=interpret, **head)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _heads_looped_backward(refs: _GradRefs, *, k_tiles, grad_k_tiles, grad_v_tiles, heads: int, interpret: bool,
+                           v_tiles=None, grad_tiles, weight_sum_tiles=(), multiplier_sum_tile=None, weight_starts=(),
+                           head_dim: int, rotary_dim: int, total_ctx: int, kv_dtype, **frame):
+    """The gradients of ``heads`` heads of one layer for ``BLOCK_TOKENS`` tokens, from head
+    ``group * heads``: the grid point ``(block, layer, group)``, in the forward's
+    :func:`~fusedkv_jax.mosaic_kernel.loop_over_heads` frame, with the tiles each head
+    reads double-buffered (``[2, BLOCK_TOKENS, columns]``)."""
+    block, layer, group = (jax.lax.axis_index(name) for name in GRID_NAMES)
+    tokens = pl.ds(block * BLOCK_TOKENS, BLOCK_TOKENS)
+    first_head = group * heads
+    tiles = [k_tiles, grad_k_tiles, grad_v_tiles, *([] if v_tiles is None else [v_tiles])]
+    counted = _counted_rows(block, total_ctx, interpret)
+
+    def fetch_head(head, slot, loaded):
+        head = first_head + head
+        sources = [refs.kv.at[tokens, layer, 0, head], refs.grad_k.at[layer, tokens, head],
+                   refs.grad_v.at[layer, tokens, head], refs.kv.at[tokens, layer, 1, head]]
+        for source, tile in zip(sources, tiles):  # V's source only where V has tiles
+            plgpu.copy_gmem_to_smem(source, tile.at[slot], loaded)
+
+    def compute_head(head, slot, weight, cos_sin, terms):
+        k_tile, grad_k_tile, grad_v_tile, *v_tile = [tile.at[slot] for tile in tiles]
+        _head_grads(refs, (block, layer, first_head + head), k_tile=k_tile, grad_k_tile=grad_k_tile,
+                    grad_v_tile=grad_v_tile, v_tile=v_tile[0] if v_tile else None, weight=lambda: weight,
+                    cos_sin=lambda: cos_sin, terms=terms, counted=counted, grad_tiles=grad_tiles,
+                    weight_sum_tiles=weight_sum_tiles, multiplier_sum_tile=multiplier_sum_tile,
+                    weight_starts=weight_starts, head_dim=head_dim, rotary_dim=rotary_dim, kv_dtype=kv_dtype,
+                    interpret=interpret)
+
+    loop_over_heads(refs, layer, tokens, fetch_head, compute_head, heads=heads, interpret=interpret, **frame)
+
+
+def _counted_rows(block, total_ctx: int, interpret: bool):
+    """Whether each row of ``block`` is a token of the context: rows past it (a last
+    block's) add nothing to the sums."""
+    return block * BLOCK_TOKENS + row_offsets(interpret) < total_ctx
+
+
+def _head_grads(refs: _GradRefs, index: tuple, *, k_tile, grad_k_tile, grad_v_tile, v_tile, weight, cos_sin, terms,
+                counted, grad_tiles, weight_sum_tiles=(), multiplier_sum_tile=None, weight_starts=(), head_dim: int,
+                rotary_dim: int, kv_dtype, interpret: bool):
+    """The gradients of the head at ``index`` (block, layer, head) from its tiles, loaded:
+    V's out first, then K's and the head's weight sums, each through its tiles out.
+    ``weight()`` and ``cos_sin()``: the layer's weight row (None without a K-norm) and the
+    block's cos/sin rows, in registers, once they have arrived; ``terms``: each row's term
+    (:func:`~fusedkv_jax.mosaic_kernel._fetch_cos_sin_rows`); ``counted``: each row's
+    :func:`_counted_rows`."""
+    block, layer, head = index
+    tokens = pl.ds(block * BLOCK_TOKENS, BLOCK_TOKENS)
+    _store_grad_v(refs, grad_v_tile, v_tile, multiplier_sum_tile, index, counted, kv_dtype, interpret)
     x = _pieces(_to_fp32(_load(k_tile, plgpu.Layout.WGMMA, interpret), kv_dtype), rotary_dim)
     g_parts = _to_fp32(_load(grad_k_tile, plgpu.Layout.WGMMA, interpret), kv_dtype)
-    weight = None
-    if weight_tile is not None:
-        weight = _pieces(weight_parts(_load(weight_tile, plgpu.Layout.WGMMA.reduce(0), interpret), g_parts),
-                         rotary_dim)
-    _wait_cos_sin_rows(run, rows_loaded, run_loaded)
-    gn = _rotated_back(_pieces(g_parts, rotary_dim), _load(cos_sin_tile, plgpu.Layout.WGMMA, interpret),
-                       rotary_dim)
+    weight = weight()
+    if weight is not None:
+        weight = _pieces(weight_parts(weight, g_parts), rotary_dim)
+    gn = _rotated_back(_pieces(g_parts, rotary_dim), cos_sin(), rotary_dim)
     grads, weight_sums = _normalized_grads(_flat(x), _flat(gn), None if weight is None else _flat(weight), terms,
                                            counted, head_dim)
     first, second, *tails = grads
@@ -139,7 +200,6 @@ def _backward_block(refs: _GradRefs, *, k_tile, grad_k_tile, grad_v_tile, grad_t
         start += tile.shape[1]
     for tile, start in zip(weight_sum_tiles, weight_starts):
         plgpu.copy_smem_to_gmem(tile, refs.weight_sums.at[block, layer, head, pl.ds(start, tile.shape[0])])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _store_grad_v(refs: _GradRefs, grad_v_tile, v_tile, multiplier_sum_tile, index: tuple, counted, kv_dtype,
@@ -228,41 +288,51 @@ def backward(kv, k_norm_weight, eps, cos_sin_cache, positions, v_multiplier, gra
                                config=config)
     operands.update(grad_k=_as_words(grad_k, gptj), grad_v=_as_words(grad_v, gptj))
     columns, tile_dtype = tile_columns(config, kv.dtype)
-    grid = (pl.cdiv(total_ctx, BLOCK_TOKENS), n_layers, config.num_kv_heads)
+    k_norm, multiplied = k_norm_weight is not None, v_multiplier is not None
+    head_tiles = ("k", "grad_k", "grad_v", "v")[:3 + multiplied]
+    heads = heads_per_program(config, total_ctx, n_layers, kv.dtype, head_tiles=len(head_tiles))
+    blocks = pl.cdiv(total_ctx, BLOCK_TOKENS)
     tiled = total_ctx % 8 == 0
     tokens_per_block = min(BLOCK_TOKENS, total_ctx)
     scratch = dict(
-        k_tile=_tile((BLOCK_TOKENS, columns), tile_dtype, tiled=tiled),
-        grad_k_tile=_tile((BLOCK_TOKENS, columns), tile_dtype, tiled=tiled),
-        grad_v_tile=_tile((BLOCK_TOKENS, columns), tile_dtype, tiled=tiled),
         grad_tiles=part_tiles(config, kv.dtype, tiled=tiled),
         positions_tile=plgpu.SMEM((BLOCK_TOKENS,), jnp.int32),
         cos_sin_tile=plgpu.SMEM((BLOCK_TOKENS, rotary_dim), jnp.float32),
-        loaded=plgpu.Barrier(num_arrivals=3 + (v_multiplier is not None) + (k_norm_weight is not None)),
-        positions_loaded=plgpu.Barrier(num_arrivals=1),
         rows_loaded=plgpu.Barrier(num_arrivals=tokens_per_block),
         run_loaded=plgpu.Barrier(num_arrivals=1),
     )
+    if heads > 1:
+        scratch.update({f"{name}_tiles": _tile((2, BLOCK_TOKENS, columns), tile_dtype, tiled=True)
+                        for name in head_tiles},
+                       loaded=plgpu.Barrier(num_arrivals=len(head_tiles), num_barriers=2),
+                       fixed_loaded=plgpu.Barrier(num_arrivals=1 + k_norm))
+        kernel = functools.partial(_heads_looped_backward, heads=heads)
+    else:
+        scratch.update({f"{name}_tile": _tile((BLOCK_TOKENS, columns), tile_dtype, tiled=tiled) for name in head_tiles},
+                       loaded=plgpu.Barrier(num_arrivals=len(head_tiles) + k_norm),
+                       positions_loaded=plgpu.Barrier(num_arrivals=1))
+        kernel = _one_head_backward
     outputs = dict(grad_kv=jax.ShapeDtypeStruct(operands["kv"].shape, tile_dtype))
-    if k_norm_weight is not None:
+    # A row of partial sums for every head, whichever program computes it.
+    sums = (blocks, n_layers, config.num_kv_heads)
+    if k_norm:
         scratch.update(weight_tile=plgpu.SMEM((dim,), jnp.float32),
                        weight_sum_tiles=[plgpu.SMEM((width,), jnp.float32) for _, width in _weight_pieces(config)])
-        outputs.update(weight_sums=jax.ShapeDtypeStruct((*grid, dim), jnp.float32))
-    if v_multiplier is not None:
-        scratch.update(v_tile=_tile((BLOCK_TOKENS, columns), tile_dtype, tiled=tiled),
-                       multiplier_sum_tile=plgpu.SMEM((columns,), jnp.float32))
-        outputs.update(multiplier_sums=jax.ShapeDtypeStruct((*grid, columns), jnp.float32))
-    kernel = functools.partial(_backward_block, weight_starts=[start for start, _ in _weight_pieces(config)],
-                               head_dim=dim, rotary_dim=rotary_dim,
-                               tokens_per_block=tokens_per_block, total_ctx=total_ctx, kv_dtype=kv.dtype,
-                               interpret=interpret)
+        outputs.update(weight_sums=jax.ShapeDtypeStruct((*sums, dim), jnp.float32))
+    if multiplied:
+        scratch.update(multiplier_sum_tile=plgpu.SMEM((columns,), jnp.float32))
+        outputs.update(multiplier_sums=jax.ShapeDtypeStruct((*sums, columns), jnp.float32))
+    kernel = functools.partial(kernel, weight_starts=[start for start, _ in _weight_pieces(config)],
+                               head_dim=dim, rotary_dim=rotary_dim, tokens_per_block=tokens_per_block,
+                               total_ctx=total_ctx, kv_dtype=kv.dtype, interpret=interpret)
     inputs, names = tuple(operands), tuple(outputs)
 
     def body(*refs, **tiles):
         kernel(_GradRefs(**dict(zip(inputs + names, refs))), **tiles)
 
     results = dict(zip(names, plgpu.kernel(
-        body, out_type=list(outputs.values()), scratch_types=scratch, grid=grid, grid_names=GRID_NAMES,
+        body, out_type=list(outputs.values()), scratch_types=scratch,
+        grid=(blocks, n_layers, config.num_kv_heads // heads), grid_names=GRID_NAMES,
         compiler_params=plgpu.CompilerParams(), interpret=_interpret_params() if interpret else None,
         kernel_name=KERNEL_NAME,
     )(*operands.values())))

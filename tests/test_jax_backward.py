@@ -291,6 +291,25 @@ def test_jax_gradients_on_the_mosaic_lowering_take_the_references_edge_values(ed
     _assert_mosaic_grads(got, expected, grads[1], config, "float16", True)
 
 
+@pytest.mark.parametrize("rope_style", ["neox", "gptj"])
+@pytest.mark.parametrize("multiplied", [False, True])
+@pytest.mark.parametrize("heads", [1, 2, 4])
+def test_mosaic_gradients_in_programs_of_one_head_and_of_a_group_of_heads_match_the_reference_backward(
+        heads, multiplied, rope_style, monkeypatch):
+    from fusedkv_jax import devices, mosaic_kernel
+
+    # Two (block, layer) pairs, two programs wanted a multiprocessor: one multiprocessor
+    # leaves programs of every head, two of half of them, many of one.
+    monkeypatch.setattr(devices, "multiprocessors", lambda: {1: 64, 2: 2, 4: 1}[heads])
+    jax.clear_caches()  # else a kernel traced under another count of multiprocessors is reused
+    config = FusedKVConfig(4, 64, 32, rope_style)  # a rotary tail
+    assert mosaic_kernel.heads_per_program(config, 64, 2, jnp.bfloat16, head_tiles=3 + multiplied) == heads
+    arrays, grads, multiplier = _inputs(config, dtype="bfloat16", n_layers=2, total_ctx=64, seed=17 + heads)
+    got, expected = _mosaic_grads(config, arrays, grads, multiplier if multiplied else None, normed=True,
+                                  tables=True)
+    _assert_mosaic_grads(got, expected, grads[1], config, "bfloat16", multiplied)
+
+
 def test_jax_gradients_on_the_mosaic_lowering_under_vmap_match_each_call():
     config = FusedKVConfig(1, 64, 32, "gptj")
     contexts = [_inputs(config, dtype="bfloat16", n_layers=2, total_ctx=64, seed=50 + i) for i in range(2)]
