@@ -310,6 +310,22 @@ def test_mosaic_gradients_in_programs_of_one_head_and_of_a_group_of_heads_match_
     _assert_mosaic_grads(got, expected, grads[1], config, "bfloat16", multiplied)
 
 
+@pytest.mark.parametrize("config, multiplied, heads", [
+    (FusedKVConfig(8, 128, 128, "neox"), True, 8),  # nine 16 KiB tiles and 32 KiB of rows: 176 KiB
+    (FusedKVConfig(4, 192, 96, "neox"), False, 4),  # seven 24 KiB tiles and 24 KiB of rows: 192 KiB
+    (FusedKVConfig(4, 192, 96, "neox"), True, 1),  # nine: 240 KiB, over the 200 a program may take
+    (FusedKVConfig(4, 192, 192, "gptj"), False, 1),  # seven and 48 KiB of rows: 216 KiB
+], ids=str)
+def test_mosaic_backward_programs_of_several_heads_need_room_for_two_of_each_tile_a_head_reads(config, multiplied,
+                                                                                                 heads, monkeypatch):
+    from fusedkv_jax import devices, mosaic_kernel
+
+    monkeypatch.setattr(devices, "multiprocessors", lambda: 132)  # an H200's
+    # 32768 tokens of 8 layers: 4096 (block, layer) programs, enough to take every head.
+    assert mosaic_kernel.heads_per_program(config, 32768, 8, jnp.bfloat16) == config.num_kv_heads
+    assert mosaic_kernel.heads_per_program(config, 32768, 8, jnp.bfloat16, head_tiles=3 + multiplied) == heads
+
+
 def test_jax_gradients_on_the_mosaic_lowering_under_vmap_match_each_call():
     config = FusedKVConfig(1, 64, 32, "gptj")
     contexts = [_inputs(config, dtype="bfloat16", n_layers=2, total_ctx=64, seed=50 + i) for i in range(2)]
