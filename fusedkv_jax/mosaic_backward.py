@@ -116,7 +116,6 @@ def _one_head_backward(refs: _GradRefs, *, k_tile, grad_k_tile, grad_v_tile, pos
     plgpu.barrier_wait(positions_loaded)
     run, terms = _fetch_cos_sin_rows(refs, layer, positions_tile, cos_sin_tile, rows_loaded, run_loaded,
                                      tokens_per_block, interpret)
-
     counted = _counted_rows(block, total_ctx, interpret)
 
     def cos_sin():
@@ -125,7 +124,7 @@ def _one_head_backward(refs: _GradRefs, *, k_tile, grad_k_tile, grad_v_tile, pos
 
     plgpu.barrier_wait(loaded)
     _head_grads(refs, (block, layer, index_head), k_tile=k_tile, grad_k_tile=grad_k_tile, grad_v_tile=grad_v_tile,
-                v_tile=v_tile, weight=lambda: _load_weight(weight_tile, interpret), cos_sin=cos_sin, terms=terms,
+                v_tile=v_tile, weight=_load_weight(weight_tile, interpret), cos_sin=cos_sin, terms=terms,
                 counted=counted, interpret=interpret, **head)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -153,7 +152,7 @@ def _heads_looped_backward(refs: _GradRefs, *, k_tiles, grad_k_tiles, grad_v_til
     def compute_head(head, slot, weight, cos_sin, terms):
         k_tile, grad_k_tile, grad_v_tile, *v_tile = [tile.at[slot] for tile in tiles]
         _head_grads(refs, (block, layer, first_head + head), k_tile=k_tile, grad_k_tile=grad_k_tile,
-                    grad_v_tile=grad_v_tile, v_tile=v_tile[0] if v_tile else None, weight=lambda: weight,
+                    grad_v_tile=grad_v_tile, v_tile=v_tile[0] if v_tile else None, weight=weight,
                     cos_sin=lambda: cos_sin, terms=terms, counted=counted, grad_tiles=grad_tiles,
                     weight_sum_tiles=weight_sum_tiles, multiplier_sum_tile=multiplier_sum_tile,
                     weight_starts=weight_starts, head_dim=head_dim, rotary_dim=rotary_dim, kv_dtype=kv_dtype,
@@ -173,8 +172,8 @@ def _head_grads(refs: _GradRefs, index: tuple, *, k_tile, grad_k_tile, grad_v_ti
                 rotary_dim: int, kv_dtype, interpret: bool):
     """The gradients of the head at ``index`` (block, layer, head) from its tiles, loaded:
     V's out first, then K's and the head's weight sums, each through its tiles out.
-    ``weight()`` and ``cos_sin()``: the layer's weight row (None without a K-norm) and the
-    block's cos/sin rows, in registers, once they have arrived; ``terms``: each row's term
+    ``weight``: the layer's weight row in registers (None without a K-norm); ``cos_sin()``:
+    the block's cos/sin rows in registers, once they have arrived; ``terms``: each row's term
     (:func:`~fusedkv_jax.mosaic_kernel._fetch_cos_sin_rows`); ``counted``: each row's
     :func:`_counted_rows`."""
     block, layer, head = index
@@ -182,7 +181,6 @@ def _head_grads(refs: _GradRefs, index: tuple, *, k_tile, grad_k_tile, grad_v_ti
     _store_grad_v(refs, grad_v_tile, v_tile, multiplier_sum_tile, index, counted, kv_dtype, interpret)
     x = _pieces(_to_fp32(_load(k_tile, plgpu.Layout.WGMMA, interpret), kv_dtype), rotary_dim)
     g_parts = _to_fp32(_load(grad_k_tile, plgpu.Layout.WGMMA, interpret), kv_dtype)
-    weight = weight()
     if weight is not None:
         weight = _pieces(weight_parts(weight, g_parts), rotary_dim)
     gn = _rotated_back(_pieces(g_parts, rotary_dim), cos_sin(), rotary_dim)
